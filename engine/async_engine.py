@@ -1,0 +1,226 @@
+"""The engine behind an asyncio front: a background step loop and per-request streams.
+
+Threads and what they own:
+
+    step loop thread   the LLMEngine (scheduler, blocks, model); nothing else touches it
+    asyncio loop       the streams; consumers await them
+
+Requests and aborts reach the loop through an inbox (one lock); the loop sleeps on an
+Event while it has no work, never polling. Each step's outputs cross back in one
+call_soon_threadsafe, and a stream's consumer takes every token that arrived since its
+last wake-up as one chunk: one token per chunk at light load, many under heavy load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.outputs import EngineDeadError, EngineStats, ModelInfo, StepOutput
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GenerationChunk:
+    """Every token of one request that was ready since the consumer's last chunk."""
+
+    request_id: str
+    token_ids: list[int]
+    finish_reason: str | None  # set on the last chunk
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    # Server-side breakdown in seconds, on the first and the last chunk:
+    # queue_wait_s (arrival -> first scheduled), prefill_s (-> first token), ttft_s.
+    timings: dict[str, float] | None = None
+
+
+@dataclass
+class _Stream:
+    event: asyncio.Event = field(default_factory=asyncio.Event)
+    token_ids: list[int] = field(default_factory=list)
+    last: StepOutput | None = None
+    error: BaseException | None = None
+    finished: bool = False
+    num_chunks: int = 0
+
+    def push(self, output: StepOutput) -> None:
+        if output.token_id is not None:
+            self.token_ids.append(output.token_id)
+        self.last = output
+        self.finished = output.finish_reason is not None
+        self.event.set()
+
+    def fail(self, error: BaseException) -> None:
+        self.error = error
+        self.event.set()
+
+    def take_chunk(self, request_id: str) -> GenerationChunk:
+        out = self.last
+        token_ids, self.token_ids = self.token_ids, []
+        self.num_chunks += 1
+        timings = _timings(out) if self.num_chunks == 1 or self.finished else None
+        return GenerationChunk(request_id, token_ids, out.finish_reason if self.finished else None,
+                               out.num_prompt_tokens, out.num_cached_tokens, timings)
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig):
+        self.engine = LLMEngine(config)
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._inbox: list[tuple] = []
+        self._streams: dict[str, _Stream] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._error: EngineDeadError | None = None
+        self._stopping = False
+        self._stats = self.engine.stats()
+        self._thread = threading.Thread(target=self._run, name="rayinfer-step-loop", daemon=True)
+        self._thread.start()
+
+    @property
+    def model_info(self) -> ModelInfo:
+        return self.engine.model_info
+
+    @property
+    def is_dead(self) -> bool:
+        return self._error is not None or not self._thread.is_alive()
+
+    def check_health(self) -> None:
+        if self._error is not None:
+            raise self._error
+        if not self._thread.is_alive():
+            raise EngineDeadError("engine step loop is not running")
+
+    def stats(self) -> EngineStats:
+        """The stats as of the last step (read without stopping the loop)."""
+        return self._stats
+
+    def num_active_requests(self) -> int:
+        return len(self._streams)
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       params: SamplingParams) -> AsyncIterator[GenerationChunk]:
+        """Stream a request's tokens. Invalid requests raise ValueError before any chunk.
+
+        Leaving the iterator early (break, cancellation, an error in the consumer) aborts
+        the request; its KV blocks are free by the end of the next step.
+        """
+        self.check_health()
+        self.engine.validate_request(prompt_token_ids, params)
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self._bind_loop()
+        stream = self._streams[request_id] = _Stream()
+        self._submit(("add", request_id, list(prompt_token_ids), params))
+        try:
+            while True:
+                await stream.event.wait()
+                stream.event.clear()
+                if stream.error is not None:
+                    raise stream.error
+                if stream.token_ids or stream.finished:
+                    chunk = stream.take_chunk(request_id)
+                    yield chunk
+                    if chunk.finish_reason is not None:
+                        return
+        finally:
+            del self._streams[request_id]
+            if not stream.finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._submit(("abort", request_id))
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        with self._lock:
+            self._stopping = True
+            self._wake.set()
+        self._thread.join(timeout)
+
+    def _bind_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._loop is None:
+            self._loop = loop
+        elif self._loop is not loop:
+            raise RuntimeError("AsyncEngine serves one asyncio event loop")
+
+    def _submit(self, command: tuple) -> None:
+        with self._lock:
+            self._inbox.append(command)
+            self._wake.set()
+
+    # ---- step loop thread ----
+
+    def _run(self) -> None:
+        try:
+            while self._wait_for_work():
+                outputs = self.engine.step()
+                self._stats = self.engine.stats()
+                if outputs:
+                    self._loop.call_soon_threadsafe(self._deliver, outputs)
+        except BaseException as exc:  # noqa: BLE001 - any crash must fail requests, not hang them
+            logger.exception("engine step loop crashed")
+            self._error = EngineDeadError(f"engine step loop crashed: {exc!r}")
+            if self._loop is not None:
+                self._loop.call_soon_threadsafe(self._fail_all, self._error)
+
+    def _wait_for_work(self) -> bool:
+        """Apply queued commands; sleep while there is nothing to step. False = stop."""
+        while True:
+            self._wake.wait()
+            with self._lock:
+                commands, self._inbox = self._inbox, []
+                if self._stopping:
+                    return False
+                if not commands and not self.engine.has_unfinished_requests():
+                    self._wake.clear()  # under the lock: a concurrent submit re-sets it after
+                    continue
+            self._apply(commands)
+            if self.engine.has_unfinished_requests():
+                return True
+            self._stats = self.engine.stats()
+
+    def _apply(self, commands: list[tuple]) -> None:
+        failures = []
+        for command in commands:
+            if command[0] == "abort":
+                self.engine.abort_request(command[1])
+                continue
+            _, request_id, prompt_token_ids, params = command
+            try:
+                self.engine.add_request(request_id, prompt_token_ids, params)
+            except ValueError as exc:
+                failures.append((request_id, exc))
+        if failures:
+            self._loop.call_soon_threadsafe(self._fail_some, failures)
+
+    # ---- asyncio loop ----
+
+    def _deliver(self, outputs: list[StepOutput]) -> None:
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is not None:
+                stream.push(output)
+
+    def _fail_some(self, failures: list[tuple[str, BaseException]]) -> None:
+        for request_id, exc in failures:
+            stream = self._streams.get(request_id)
+            if stream is not None:
+                stream.fail(exc)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for stream in self._streams.values():
+            stream.fail(error)
+
+
+def _timings(output: StepOutput) -> dict[str, float]:
+    t = output.timings
+    values = {"queue_wait_s": t.queue_wait_s, "prefill_s": t.prefill_s, "ttft_s": t.ttft_s}
+    return {k: v for k, v in values.items() if v is not None}

@@ -1,0 +1,95 @@
+"""Engine configuration: one frozen dataclass, validated once at construction."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Literal
+
+import torch
+
+WeightsMode = Literal["auto", "pretrained", "random"]
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = "gpt2"
+    weights: WeightsMode = "auto"
+    dtype: str = "auto"  # float32 | bfloat16 | float16 | auto (bf16 where the hardware has it)
+    device: str = "auto"  # cpu | cuda | cuda:N | auto (cuda where present)
+    seed: int = 0
+    block_size: int = 16
+    # KV pool size: a block count wins over a memory budget; neither means "fit max_num_seqs
+    # full-length sequences, capped by kv_cache_memory_gb's default".
+    num_kv_blocks: int | None = None
+    kv_cache_memory_gb: float | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512  # prefill + decode tokens per step
+    max_model_len: int | None = None  # defaults to the model's n_positions
+    enable_prefix_caching: bool = True
+    num_threads: int | None = None  # torch CPU threads; None = every core this process may use
+    extra: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.weights not in ("auto", "pretrained", "random"):
+            raise ValueError(f"weights must be auto, pretrained or random, got {self.weights!r}")
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
+        if not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
+            raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
+        _require_positive("block_size", self.block_size)
+        _require_positive("max_num_seqs", self.max_num_seqs)
+        _require_positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        if self.num_kv_blocks is not None:
+            _require_positive("num_kv_blocks", self.num_kv_blocks)
+        if self.kv_cache_memory_gb is not None and not self.kv_cache_memory_gb > 0:
+            raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            # Every running sequence must be able to decode in every step.
+            raise ValueError("max_num_batched_tokens must be >= max_num_seqs")
+
+    @cached_property
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device={self.device!r} but CUDA is not available")
+        return torch.device(self.device)
+
+    @cached_property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype != "auto":
+            return _DTYPES[self.dtype]
+        if self.torch_device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.bfloat16 if _cpu_has_fast_bf16() else torch.float32
+
+    @cached_property
+    def cpu_threads(self) -> int:
+        if self.num_threads is not None:
+            return self.num_threads
+        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _require_positive(name: str, value: int) -> None:
+    if not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _cpu_has_fast_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags

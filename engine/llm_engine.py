@@ -1,0 +1,171 @@
+"""The synchronous engine: add_request / step / abort. One step is schedule -> run -> postprocess."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.loader import ModelSource, load_state_dict, resolve_model
+from engine.model_runner import ModelRunner
+from engine.models.gpt2 import GPT2LMHead
+from engine.outputs import EngineStats, ModelInfo, StepOutput
+from engine.sampling_params import SamplingParams
+from engine.scheduler import ScheduledBatch, Scheduler
+from engine.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+_DEFAULT_CPU_KV_GB = 2.0
+_GPU_KV_FRACTION = 0.8  # of the memory free after loading weights
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        if config.torch_device.type == "cpu":
+            torch.set_num_threads(config.cpu_threads)
+        source = resolve_model(config.model, config.weights)
+        model = build_model(source, config.torch_dtype, config.torch_device, config.seed)
+        hf = source.config
+        self.max_model_len = min(config.max_model_len or hf.n_positions, hf.n_positions)
+        self.eos_token_id = hf.eos_token_id if hf.eos_token_id is not None else hf.vocab_size - 1
+        self.model_info = ModelInfo(
+            name=config.model, weights=source.weights, max_model_len=self.max_model_len,
+            vocab_size=hf.vocab_size, eos_token_id=self.eos_token_id,
+            dtype=str(config.torch_dtype).removeprefix("torch."), device=str(config.torch_device),
+        )
+        num_blocks = self._num_kv_blocks(model)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(model, num_blocks, config.block_size, config.seed)
+        self._seqs: dict[str, Sequence] = {}
+        self._num_prompt_tokens = 0
+        self._num_generated_tokens = 0
+        logger.info("engine ready: %s (%s weights, %s, %s), %d KV blocks of %d tokens",
+                    config.model, source.weights, self.model_info.dtype, self.model_info.device,
+                    num_blocks, config.block_size)
+
+    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError if the request can never run. Pure: safe from any thread."""
+        if not prompt_token_ids:
+            raise ValueError("prompt must contain at least one token")
+        vocab_size = self.model_info.vocab_size
+        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab_size})")
+        total = len(prompt_token_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
+                f"exceeds the model's context of {self.max_model_len} tokens"
+            )
+        num_blocks = -(-total // self.config.block_size)
+        if num_blocks > self.block_manager.num_blocks:
+            raise ValueError(
+                f"request needs {num_blocks} KV blocks but the cache holds {self.block_manager.num_blocks}; "
+                "lower max_tokens or raise num_kv_blocks"
+            )
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if request_id in self._seqs:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.validate_request(prompt_token_ids, params)
+        seq = Sequence(request_id, prompt_token_ids, params, self.config.block_size)
+        if params.seed is not None:
+            seq.generator = torch.Generator(device=self.config.torch_device).manual_seed(params.seed)
+        self._seqs[request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> bool:
+        seq = self._seqs.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.remove(seq)
+        seq.finish_reason = "abort"
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._seqs)
+
+    def step(self) -> list[StepOutput]:
+        batch = self.scheduler.schedule()
+        if batch.is_empty:
+            return []
+        sampled_seqs, tokens = self.runner.run(batch)
+        return self._postprocess(batch, sampled_seqs, tokens)
+
+    def _postprocess(self, batch: ScheduledBatch, sampled_seqs: list[Sequence], tokens: list[int]) -> list[StepOutput]:
+        for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += num_new
+            self.block_manager.commit_full_blocks(seq)
+        now = time.monotonic()
+        outputs = []
+        for seq, token in zip(sampled_seqs, tokens):
+            seq.token_ids.append(token)
+            if seq.timings.first_token is None:
+                seq.timings.first_token = now
+                self._num_prompt_tokens += seq.num_prompt_tokens
+            self._num_generated_tokens += 1
+            seq.finish_reason = self._finish_reason(seq, token)
+            if seq.finish_reason is not None:
+                self._finish(seq, now)
+            outputs.append(StepOutput(seq.request_id, token, seq.finish_reason, seq.num_prompt_tokens,
+                                      seq.num_cached_tokens, seq.timings))
+        return outputs
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        params = seq.params
+        if (token == self.eos_token_id and not params.ignore_eos) or token in params.stop_token_ids:
+            return "stop"
+        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _finish(self, seq: Sequence, now: float) -> None:
+        seq.timings.finished = now
+        self.scheduler.remove(seq)
+        del self._seqs[seq.request_id]
+
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            num_kv_blocks_used=bm.num_used_blocks, num_kv_blocks_total=bm.num_blocks,
+            prefix_cache_hit_rate=bm.prefix_cache_hit_rate, num_preemptions=self.scheduler.num_preemptions,
+            num_prompt_tokens=self._num_prompt_tokens, num_generated_tokens=self._num_generated_tokens,
+        )
+
+    def check_integrity(self) -> None:
+        """Assert the KV pool's invariants against the live sequences (tests call this)."""
+        self.block_manager.check_integrity(list(self._seqs.values()))
+
+    def _num_kv_blocks(self, model: GPT2LMHead) -> int:
+        config = self.config
+        if config.num_kv_blocks is not None:
+            return config.num_kv_blocks
+        per_block = ModelRunner.kv_bytes_per_block(model.config, config.block_size, config.torch_dtype)
+        if config.kv_cache_memory_gb is not None:
+            return max(int(config.kv_cache_memory_gb * 2**30 // per_block), 1)
+        enough = config.max_num_seqs * -(-self.max_model_len // config.block_size)
+        return max(min(enough, int(_default_kv_budget(config.torch_device) // per_block)), 1)
+
+
+def _default_kv_budget(device: torch.device) -> float:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free * _GPU_KV_FRACTION
+    return _DEFAULT_CPU_KV_GB * 2**30
+
+
+def build_model(source: ModelSource, dtype: torch.dtype, device: torch.device, seed: int) -> GPT2LMHead:
+    with torch.device("meta"):
+        model = GPT2LMHead(source.config)
+    model.to_empty(device="cpu")
+    if source.weights == "pretrained":
+        model.load_hf_weights(load_state_dict(source.weight_files))
+    else:
+        model.init_random(seed)
+    return model.to(device=device, dtype=dtype).eval().requires_grad_(False)

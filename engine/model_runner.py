@@ -1,0 +1,110 @@
+"""Batch tensors in, model forward, sampled tokens out."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.attention import AttentionGroup, AttentionMetadata
+from engine.models.gpt2 import GPT2LMHead
+from engine.sampler import Sampler, SamplingBatch
+from engine.scheduler import ScheduledBatch
+from engine.sequence import Sequence
+
+
+class ModelRunner:
+    def __init__(self, model: GPT2LMHead, num_blocks: int, block_size: int, seed: int):
+        self.model = model
+        self.block_size = block_size
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        config = model.config
+        shape = (num_blocks, block_size, config.n_head, config.n_embd // config.n_head)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device))
+            for _ in range(config.n_layer)
+        ]
+        self.sampler = Sampler(seed, self.device)
+
+    @staticmethod
+    def kv_bytes_per_block(model_config, block_size: int, dtype: torch.dtype) -> int:
+        return 2 * model_config.n_layer * block_size * model_config.n_embd * dtype.itemsize
+
+    def run(self, batch: ScheduledBatch) -> tuple[list[Sequence], list[int]]:
+        """One forward over the batch; returns the sequences that sampled and their tokens.
+
+        A sequence samples when this step computes its last known token; a prefill chunk
+        that stops short of the prompt's end samples nothing.
+        """
+        # Single-token queries first: they attend as the decode group.
+        order = sorted(range(len(batch.seqs)), key=lambda i: batch.num_new_tokens[i] > 1)
+        seqs = [batch.seqs[i] for i in order]
+        num_new = [batch.num_new_tokens[i] for i in order]
+        inputs = self._prepare(seqs, num_new)
+        sampling = [s for s, n in zip(seqs, num_new) if s.num_computed_tokens + n == s.num_tokens]
+        if not sampling:
+            self.model(*inputs, logits_indices=inputs[0][:0])
+            return [], []
+        logits = self.model(*inputs, logits_indices=self._logits_indices(seqs, num_new))
+        tokens = self.sampler(logits, self._sampling_batch(sampling))
+        return sampling, tokens.tolist()
+
+    def _prepare(self, seqs: list[Sequence], num_new: list[int]):
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        for seq, n in zip(seqs, num_new):
+            start = seq.num_computed_tokens
+            input_ids += seq.token_ids[start : start + n]
+            positions += range(start, start + n)
+            slots += (seq.block_table[p // self.block_size] * self.block_size + p % self.block_size for p in range(start, start + n))
+        num_decodes = sum(n == 1 for n in num_new)
+        meta = AttentionMetadata(
+            slot_mapping=self._tensor(slots),
+            num_decodes=num_decodes,
+            decode=self._decode_group(seqs[:num_decodes]) if num_decodes else None,
+            prefill=self._prefill_group(seqs[num_decodes:], num_new[num_decodes:], num_decodes) if num_decodes < len(seqs) else None,
+        )
+        return self._tensor(input_ids), self._tensor(positions), self.kv_caches, meta
+
+    def _decode_group(self, seqs: list[Sequence]) -> AttentionGroup:
+        context_lens = self._tensor([s.num_computed_tokens + 1 for s in seqs])
+        tables = self._block_tables(seqs)
+        keys = torch.arange(tables.shape[1] * self.block_size, device=self.device)
+        mask = (keys.unsqueeze(0) < context_lens.unsqueeze(1))[:, None, None, :]
+        return AttentionGroup(tables, mask, None, None)
+
+    def _prefill_group(self, seqs: list[Sequence], num_new: list[int], offset: int) -> AttentionGroup:
+        max_q = max(num_new)
+        starts = [s.num_computed_tokens for s in seqs]
+        q_pos = torch.arange(max_q, device=self.device).unsqueeze(0)
+        query_valid = q_pos < self._tensor(num_new).unsqueeze(1)
+        flat_starts = torch.tensor([offset + sum(num_new[:i]) for i in range(len(seqs))], device=self.device)
+        query_index = torch.where(query_valid, flat_starts.unsqueeze(1) + q_pos, 0)
+        tables = self._block_tables(seqs)
+        keys = torch.arange(tables.shape[1] * self.block_size, device=self.device)
+        abs_pos = self._tensor(starts).unsqueeze(1) + q_pos  # [P, Q] position of each query
+        # Causal over the sequence's whole context; padded query rows see key 0 (never NaN).
+        mask = (keys[None, None, :] <= abs_pos[:, :, None]) & query_valid[:, :, None]
+        mask[:, :, 0] = True
+        return AttentionGroup(tables, mask.unsqueeze(1), query_index, query_valid)
+
+    def _block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
+        width = max(s.num_blocks for s in seqs)
+        return self._tensor([s.block_table + [0] * (width - s.num_blocks) for s in seqs])
+
+    def _logits_indices(self, seqs: list[Sequence], num_new: list[int]) -> torch.Tensor:
+        indices, end = [], 0
+        for seq, n in zip(seqs, num_new):
+            end += n
+            if seq.num_computed_tokens + n == seq.num_tokens:
+                indices.append(end - 1)
+        return self._tensor(indices)
+
+    def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
+        return SamplingBatch.from_params(
+            [s.params for s in seqs], [s.generator for s in seqs], self.model.config.vocab_size, self.device
+        )
+
+    def _tensor(self, values) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=self.device)
+

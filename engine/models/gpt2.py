@@ -1,0 +1,118 @@
+"""GPT-2 forward pass over the paged KV cache.
+
+Weights keep Hugging Face's names; HF stores GPT-2's projections as Conv1D ([in, out]),
+which load_hf_weights transposes into nn.Linear's [out, in].
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GPT2Config
+
+from engine.attention import AttentionMetadata, paged_attention
+
+_CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+
+
+class GPT2Block(nn.Module):
+    def __init__(self, config: GPT2Config):
+        super().__init__()
+        hidden, eps = config.n_embd, config.layer_norm_epsilon
+        inner = config.n_inner or 4 * hidden
+        self.num_heads = config.n_head
+        self.head_dim = hidden // config.n_head
+        self.ln_1 = nn.LayerNorm(hidden, eps=eps)
+        self.attn_qkv = nn.Linear(hidden, 3 * hidden)
+        self.attn_out = nn.Linear(hidden, hidden)
+        self.ln_2 = nn.LayerNorm(hidden, eps=eps)
+        self.mlp_fc = nn.Linear(hidden, inner)
+        self.mlp_proj = nn.Linear(inner, hidden)
+
+    def forward(self, h: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        qkv = self.attn_qkv(self.ln_1(h)).view(h.shape[0], 3, self.num_heads, self.head_dim)
+        attn = paged_attention(qkv[:, 0], qkv[:, 1], qkv[:, 2], kv_cache[0], kv_cache[1], meta)
+        h = h + self.attn_out(attn.flatten(1))
+        return h + self.mlp_proj(F.gelu(self.mlp_fc(self.ln_2(h)), approximate="tanh"))
+
+
+class GPT2LMHead(nn.Module):
+    def __init__(self, config: GPT2Config):
+        super().__init__()
+        _check_supported(config)
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.wpe = nn.Embedding(config.n_positions, config.n_embd)
+        self.h = nn.ModuleList(GPT2Block(config) for _ in range(config.n_layer))
+        self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """Flat tokens [T] in; float32 logits [S, vocab] out for the S tokens that sample."""
+        h = self.wte(input_ids) + self.wpe(positions)
+        for block, kv_cache in zip(self.h, kv_caches):
+            h = block(h, kv_cache, meta)
+        h = self.ln_f(h[logits_indices])
+        return F.linear(h, self.wte.weight).float()  # the LM head is tied to wte
+
+    @torch.no_grad()
+    def load_hf_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        own = self.state_dict()
+        loaded = set()
+        for name, tensor in state_dict.items():
+            key = _own_name(name.removeprefix("transformer."))
+            if key is None:
+                continue
+            if any(name.endswith(suffix) for suffix in _CONV1D_WEIGHTS):
+                tensor = tensor.t()
+            if own[key].shape != tensor.shape:
+                raise ValueError(f"weight {name}: shape {tuple(tensor.shape)} != expected {tuple(own[key].shape)}")
+            own[key].copy_(tensor)
+            loaded.add(key)
+        missing = set(own) - loaded
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {sorted(missing)[:3]}")
+
+    @torch.no_grad()
+    def init_random(self, seed: int) -> None:
+        """GPT-2's own initialisation (normal(0, initializer_range)), for benchmarks and offline demos."""
+        generator = torch.Generator().manual_seed(seed)
+        std = self.config.initializer_range
+        for name, param in self.named_parameters():
+            if name.startswith("ln") or ".ln_" in name:
+                nn.init.ones_(param) if name.endswith("weight") else nn.init.zeros_(param)
+            elif name.endswith("bias"):
+                nn.init.zeros_(param)
+            else:
+                param.copy_(torch.randn(param.shape, generator=generator) * std)
+
+
+_RENAMES = {"attn.c_attn": "attn_qkv", "attn.c_proj": "attn_out", "mlp.c_fc": "mlp_fc", "mlp.c_proj": "mlp_proj"}
+
+
+def _own_name(hf_name: str) -> str | None:
+    """Map an HF GPT-2 weight name to ours; None for buffers and the tied lm_head."""
+    if hf_name.endswith((".attn.bias", ".attn.masked_bias")) or hf_name.startswith("lm_head"):
+        return None
+    for hf, own in _RENAMES.items():
+        hf_name = hf_name.replace(f".{hf}.", f".{own}.")
+    return hf_name
+
+
+def _check_supported(config: GPT2Config) -> None:
+    if config.model_type != "gpt2":
+        raise ValueError(f"model_type {config.model_type!r} is not GPT-2")
+    if getattr(config, "scale_attn_by_inverse_layer_idx", False) or getattr(config, "reorder_and_upcast_attn", False):
+        raise ValueError("scale_attn_by_inverse_layer_idx / reorder_and_upcast_attn are not supported")
+    if not getattr(config, "scale_attn_weights", True):
+        raise ValueError("scale_attn_weights=False is not supported")
+    if config.activation_function not in ("gelu_new", "gelu_pytorch_tanh"):
+        raise ValueError(f"activation {config.activation_function!r} is not supported")

@@ -1,0 +1,50 @@
+"""What the engine hands out: per-step outputs, model info and stats."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.sequence import RequestTimings
+
+
+class EngineDeadError(RuntimeError):
+    """The engine's step loop crashed; every in-flight and future request fails with this."""
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutput:
+    """One request's result from one engine step: a new token, a finish, or both."""
+
+    request_id: str
+    token_id: int | None
+    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    timings: RequestTimings
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    weights: str  # "pretrained" | "random"
+    max_model_len: int
+    vocab_size: int
+    eos_token_id: int
+    dtype: str
+    device: str
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_kv_blocks_used: int
+    num_kv_blocks_total: int
+    prefix_cache_hit_rate: float
+    num_preemptions: int
+    num_prompt_tokens: int  # totals since start
+    num_generated_tokens: int
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.num_kv_blocks_used / max(self.num_kv_blocks_total, 1)

@@ -1,0 +1,73 @@
+"""Token sampling, vectorised over the batch.
+
+Greedy rows take the argmax. Other rows are scaled by temperature, filtered by top-k and
+top-p (one sort, only when some row asks for it), and sampled by the exponential race
+argmax(p / E) with E ~ Exp(1), which equals sampling from p. Seeded rows draw E from their
+own generator, so a seeded request gets the same tokens whatever else is in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingBatch:
+    temperatures: torch.Tensor  # [S] float32, 0 for greedy rows
+    top_ps: torch.Tensor  # [S] float32
+    top_ks: torch.Tensor  # [S] int64, vocab size where disabled
+    generators: list[torch.Generator | None]  # per row: its own when seeded
+    all_greedy: bool
+    needs_filter: bool
+
+    @classmethod
+    def from_params(cls, params: list[SamplingParams], generators: list[torch.Generator | None], vocab_size: int, device: torch.device) -> SamplingBatch:
+        return cls(
+            temperatures=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
+            top_ps=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+            top_ks=torch.tensor([p.top_k or vocab_size for p in params], dtype=torch.int64, device=device),
+            generators=generators,
+            all_greedy=all(p.is_greedy for p in params),
+            needs_filter=any(p.top_k or p.top_p < 1 for p in params if not p.is_greedy),
+        )
+
+
+class Sampler:
+    def __init__(self, seed: int, device: torch.device):
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """logits: float32 [S, V] -> token ids [S]."""
+        greedy = logits.argmax(dim=-1)
+        if batch.all_greedy:
+            return greedy
+        is_greedy = batch.temperatures == 0
+        logits = logits / torch.where(is_greedy, 1.0, batch.temperatures).unsqueeze(1)
+        if batch.needs_filter:
+            logits = _filter_top_k_top_p(logits, batch.top_ks, batch.top_ps)
+        probs = torch.softmax(logits, dim=-1)
+        sampled = (probs / self._exponentials(probs, batch.generators)).argmax(dim=-1)
+        return torch.where(is_greedy, greedy, sampled)
+
+    def _exponentials(self, probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        for row, generator in enumerate(generators):
+            if generator is not None:
+                noise[row].exponential_(generator=generator)
+        return noise
+
+
+def _filter_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(logits.shape[-1], device=logits.device).unsqueeze(0)
+    drop = ranks >= top_ks.unsqueeze(1)
+    probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+    # Keep the smallest prefix whose mass reaches top_p: drop a token when the mass before it does.
+    drop |= (probs.cumsum(dim=-1) - probs) >= top_ps.unsqueeze(1)
+    drop[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)

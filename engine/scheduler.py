@@ -1,0 +1,119 @@
+"""Continuous batching: which sequences run this step, and how many tokens each.
+
+Each step spends a token budget (max_num_batched_tokens): running decodes first (one token
+each), then running prefills continue, then waiting requests are admitted FCFS while
+budget, batch slots (max_num_seqs) and KV blocks last. A prompt longer than what is left of
+the budget is prefilled in chunks over several steps, so it never stalls running decodes
+for more than one step's worth of tokens. When a running sequence needs a block and none is
+free, the newest not-yet-scheduled running sequence is preempted: its blocks are freed and
+it goes back to the front of the waiting queue, to be recomputed later.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager
+from engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+
+    def add(self, seq: Sequence, num_new_tokens: int) -> None:
+        self.seqs.append(seq)
+        self.num_new_tokens.append(num_new_tokens)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order: the last is the newest
+        self.num_preemptions = 0
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take seq out of the queues and give back its blocks (finish or abort)."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        # Decodes (one token left to compute) before prefills still in progress.
+        for seq in sorted(self.running, key=lambda s: s.num_tokens - s.num_computed_tokens > 1):
+            if budget == 0:
+                break
+            if seq.status is SequenceStatus.RUNNING and self._schedule_running(seq, batch, budget):
+                budget -= batch.num_new_tokens[-1]
+        while budget > 0 and self.waiting and len(self.running) < self.max_num_seqs:
+            if not self._admit(self.waiting[0], batch, budget):
+                break
+            budget -= batch.num_new_tokens[-1]
+        return batch
+
+    def _schedule_running(self, seq: Sequence, batch: ScheduledBatch, budget: int) -> bool:
+        num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+        needed = self.block_manager.num_new_blocks_needed(seq, seq.num_computed_tokens + num_new)
+        while not self.block_manager.can_allocate(needed):
+            victim = self._preemption_victim(batch)
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        self.block_manager.allocate(seq, seq.num_computed_tokens + num_new)
+        batch.add(seq, num_new)
+        return True
+
+    def _admit(self, seq: Sequence, batch: ScheduledBatch, budget: int) -> bool:
+        first_time = seq.timings.first_scheduled is None
+        seq.num_computed_tokens = self.block_manager.allocate_cached_prefix(seq)
+        if first_time:
+            seq.num_cached_tokens = seq.num_computed_tokens
+        num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+        needed = self.block_manager.num_new_blocks_needed(seq, seq.num_computed_tokens + num_new)
+        if not self.block_manager.can_allocate(needed):
+            self.block_manager.free(seq)  # hand back the prefix hits; retry next step
+            seq.num_computed_tokens = 0
+            return False
+        self.block_manager.allocate(seq, seq.num_computed_tokens + num_new)
+        self.block_manager.record_prefix_lookup(seq.num_tokens, seq.num_computed_tokens)
+        self.waiting.popleft()
+        self.running.append(seq)
+        seq.status = SequenceStatus.RUNNING
+        if first_time:
+            seq.timings.first_scheduled = time.monotonic()
+        batch.add(seq, num_new)
+        return True
+
+    def _preemption_victim(self, batch: ScheduledBatch) -> Sequence:
+        scheduled = set(map(id, batch.seqs))
+        return next(s for s in reversed(self.running) if id(s) not in scheduled)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1

@@ -1,0 +1,86 @@
+"""Per-request state as the engine sees it: token ids, KV block table, status, timings."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    FINISHED = enum.auto()
+
+
+@dataclass
+class RequestTimings:
+    """Monotonic timestamps (time.monotonic()) of a request's life, for TTFT breakdowns."""
+
+    arrival: float
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+
+    @property
+    def queue_wait_s(self) -> float | None:
+        return None if self.first_scheduled is None else self.first_scheduled - self.arrival
+
+    @property
+    def prefill_s(self) -> float | None:
+        """From first scheduled to first token: the prefill's share of TTFT."""
+        if self.first_token is None or self.first_scheduled is None:
+            return None
+        return self.first_token - self.first_scheduled
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.arrival
+
+
+class Sequence:
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, block_size: int):
+        self.request_id = request_id
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.block_size = block_size
+        self.status = SequenceStatus.WAITING
+        self.block_table: list[int] = []
+        self.block_hashes: list[int] = []  # chained hashes of the full, computed blocks
+        self.num_computed_tokens = 0  # tokens whose K/V are in the cache
+        self.num_cached_tokens = 0  # of the prompt, served from the prefix cache
+        self.finish_reason: str | None = None
+        self.timings = RequestTimings(arrival=time.monotonic())
+        self.generator: torch.Generator | None = None  # per-request RNG when seeded
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_table)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def block_tokens(self, index: int) -> list[int]:
+        start = index * self.block_size
+        return self.token_ids[start : start + self.block_size]
