@@ -1,14 +1,15 @@
 """Attention over the paged KV cache.
 
-Cache layout, one pair per layer:
+Cache layout, one pair per layer, head-major so a gather of whole blocks comes out as
+contiguous [H, B, L, D], ready for batched matmuls with no further copy:
 
-    k_cache, v_cache   [num_blocks, block_size, num_heads, head_dim]
+    k_cache, v_cache   [num_heads, num_blocks, block_size, head_dim]
     slot s             block s // block_size, offset s % block_size
 
-A step's tokens are flattened, decodes first: tokens [0, num_decodes) are one query each;
-the rest are prefill chunks. Decodes attend as one batch of single-token queries; prefill
-chunks attend as a second batch padded to the longest chunk. Keeping the two apart means a
-long prefill chunk never pads every decode up to its length.
+A step's tokens are flattened, single-token queries (decodes) first: tokens
+[0, num_decodes) form one group of one query each; the rest are prefill chunks, a second
+group padded to the longest chunk. Keeping the two apart means a long prefill chunk never
+pads every decode up to its length.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 
 @dataclass
@@ -24,7 +24,7 @@ class AttentionGroup:
     """Sequences attending together: padded queries against their gathered cache blocks."""
 
     block_tables: torch.Tensor  # [B, max_blocks] int64, padded with block 0
-    mask: torch.Tensor  # [B, 1, Q, max_blocks * block_size] bool, True = may attend
+    mask: torch.Tensor  # [B, Q, max_blocks * block_size] bool, True = may attend
     query_index: torch.Tensor | None  # [B, Q] flat token index per query slot; None for decodes
     query_valid: torch.Tensor | None  # [B, Q] bool, real queries (not padding)
 
@@ -37,6 +37,13 @@ class AttentionMetadata:
     prefill: AttentionGroup | None
 
 
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> None:
+    """k, v: [T, H, D] written to their slots."""
+    num_heads, _, _, head_dim = k_cache.shape
+    k_cache.view(num_heads, -1, head_dim).index_copy_(1, slots, k.transpose(0, 1))
+    v_cache.view(num_heads, -1, head_dim).index_copy_(1, slots, v.transpose(0, 1))
+
+
 def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -46,14 +53,13 @@ def paged_attention(
     meta: AttentionMetadata,
 ) -> torch.Tensor:
     """q, k, v: [T, H, D] for this step's tokens. Writes k, v to the cache, returns [T, H, D]."""
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    k_cache.view(-1, num_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-    v_cache.view(-1, num_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    num_decodes = meta.num_decodes
     if meta.prefill is None:
         return _attend(q.unsqueeze(1), k_cache, v_cache, meta.decode).squeeze(1)
     out = torch.empty_like(q)
     if meta.decode is not None:
-        out[: meta.num_decodes] = _attend(q[: meta.num_decodes].unsqueeze(1), k_cache, v_cache, meta.decode).squeeze(1)
+        out[:num_decodes] = _attend(q[:num_decodes].unsqueeze(1), k_cache, v_cache, meta.decode).squeeze(1)
     group = meta.prefill
     padded = _attend(q[group.query_index], k_cache, v_cache, group)
     out[group.query_index[group.query_valid]] = padded[group.query_valid]
@@ -61,11 +67,25 @@ def paged_attention(
 
 
 def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
-    """q: [B, Q, H, D] -> [B, Q, H, D], each row attending to its own blocks."""
-    batch, num_blocks = group.block_tables.shape
-    keys = k_cache[group.block_tables].flatten(1, 2)  # [B, L, H, D]
-    values = v_cache[group.block_tables].flatten(1, 2)
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=group.mask
-    )
-    return out.transpose(1, 2)
+    """q: [B, Q, H, D] -> [B, Q, H, D], each row attending to its own blocks.
+
+    Plain matmuls with a float32 softmax: on CPU they beat SDPA's kernel by ~2x for short
+    queries against a mask, and they run unchanged on CUDA.
+    """
+    keys = _gather(k_cache, group.block_tables)  # [H, B, L, D]
+    values = _gather(v_cache, group.block_tables)
+    queries = q.permute(2, 0, 1, 3)  # [H, B, Q, D]
+    scores = torch.matmul(queries, keys.transpose(-1, -2)).float() * q.shape[-1] ** -0.5
+    probs = scores.masked_fill_(~group.mask, float("-inf")).softmax(dim=-1).to(q.dtype)
+    return torch.matmul(probs, values).permute(1, 2, 0, 3)
+
+
+def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    """The blocks of each row, concatenated: [H, B, max_blocks * block_size, D].
+
+    index_select over whole blocks is ~3x faster on CPU than advanced indexing.
+    """
+    num_heads, num_blocks, block_size, head_dim = cache.shape
+    batch, width = block_tables.shape
+    rows = cache.view(num_heads, num_blocks, block_size * head_dim).index_select(1, block_tables.flatten())
+    return rows.view(num_heads, batch, width * block_size, head_dim)

@@ -18,7 +18,7 @@ class ModelRunner:
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         config = model.config
-        shape = (num_blocks, block_size, config.n_head, config.n_embd // config.n_head)
+        shape = (config.n_head, num_blocks, block_size, config.n_embd // config.n_head)
         self.kv_caches = [
             (torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device))
             for _ in range(config.n_layer)
@@ -70,7 +70,7 @@ class ModelRunner:
         context_lens = self._tensor([s.num_computed_tokens + 1 for s in seqs])
         tables = self._block_tables(seqs)
         keys = torch.arange(tables.shape[1] * self.block_size, device=self.device)
-        mask = (keys.unsqueeze(0) < context_lens.unsqueeze(1))[:, None, None, :]
+        mask = (keys.unsqueeze(0) < context_lens.unsqueeze(1)).unsqueeze(1)
         return AttentionGroup(tables, mask, None, None)
 
     def _prefill_group(self, seqs: list[Sequence], num_new: list[int], offset: int) -> AttentionGroup:
@@ -86,7 +86,7 @@ class ModelRunner:
         # Causal over the sequence's whole context; padded query rows see key 0 (never NaN).
         mask = (keys[None, None, :] <= abs_pos[:, :, None]) & query_valid[:, :, None]
         mask[:, :, 0] = True
-        return AttentionGroup(tables, mask.unsqueeze(1), query_index, query_valid)
+        return AttentionGroup(tables, mask, query_index, query_valid)
 
     def _block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
         width = max(s.num_blocks for s in seqs)

@@ -1,0 +1,130 @@
+"""Offline throughput benchmark: the engine vs Hugging Face `generate` (static batch), same run.
+
+    python -m engine.bench                      # GPT-2-small, random weights, bf16 on CPU
+    python -m engine.bench --num-requests 32 --prompt-len 16 --max-tokens 64 --dtype bfloat16
+
+Prints tokens/s for both and the engine's single-request decode latency per token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers import GPT2LMHeadModel
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine, build_model
+from engine.loader import resolve_model
+from engine.sampling_params import SamplingParams
+
+
+@dataclass
+class Result:
+    name: str
+    num_tokens: int
+    seconds: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.num_tokens / self.seconds
+
+
+def make_prompts(num_requests: int, prompt_len: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (num_requests, prompt_len), generator=generator).tolist()
+
+
+def run_engine(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> Result:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    start = time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"bench-{time.monotonic_ns()}-{i}", prompt, params)
+    num_tokens = 0
+    while engine.has_unfinished_requests():
+        num_tokens += sum(out.token_id is not None for out in engine.step())
+    return Result("rayinfer engine", num_tokens, time.perf_counter() - start)
+
+
+def decode_ms_per_token(engine: LLMEngine, prompt: list[int], max_tokens: int) -> float:
+    """Single request: mean time per token after the first (pure decode steps)."""
+    engine.add_request(f"single-{time.monotonic_ns()}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+    engine.step()  # prefill + first token
+    start = time.perf_counter()
+    steps = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+    return (time.perf_counter() - start) / steps * 1000
+
+
+def hf_model(config: EngineConfig, engine: LLMEngine) -> GPT2LMHeadModel:
+    """HF's GPT-2 with the same weights as the engine's model."""
+    source = resolve_model(config.model, "random")
+    model = GPT2LMHeadModel(source.config).eval()
+    ours = engine.runner.model.state_dict()
+    for name, param in model.transformer.state_dict().items():
+        if name.endswith((".attn.bias", ".attn.masked_bias")):
+            continue
+        own = _own_name(name)
+        value = ours[own].float()
+        param.copy_(value.t() if _is_conv1d(name) else value)
+    return model.to(config.torch_dtype)
+
+
+def run_hf(model: GPT2LMHeadModel, prompts: list[list[int]], max_tokens: int) -> Result:
+    input_ids = torch.tensor(prompts)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_tokens,
+                             min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
+    num_tokens = (out.shape[1] - input_ids.shape[1]) * out.shape[0]
+    return Result("HF generate (static batch)", num_tokens, time.perf_counter() - start)
+
+
+def _own_name(hf_name: str) -> str:
+    from engine.models.gpt2 import _own_name as own_name
+
+    return own_name(hf_name)
+
+
+def _is_conv1d(name: str) -> bool:
+    from engine.models.gpt2 import _CONV1D_WEIGHTS
+
+    return name.endswith(_CONV1D_WEIGHTS)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="gpt2")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--num-requests", type=int, default=32)
+    parser.add_argument("--prompt-len", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--skip-hf", action="store_true")
+    args = parser.parse_args()
+
+    config = EngineConfig(model=args.model, weights="random", dtype=args.dtype, device=args.device)
+    engine = LLMEngine(config)
+    prompts = make_prompts(args.num_requests, args.prompt_len, engine.model_info.vocab_size)
+    run_engine(engine, prompts[:4], 4)  # warm-up
+    print(f"model={args.model} dtype={args.dtype} device={args.device} threads={torch.get_num_threads()} "
+          f"requests={args.num_requests} prompt_len={args.prompt_len} max_tokens={args.max_tokens}")
+    results = [run_engine(engine, prompts, args.max_tokens)]
+    single = decode_ms_per_token(engine, prompts[0], args.max_tokens)
+    if not args.skip_hf:
+        model = hf_model(config, engine).to(config.torch_device)
+        run_hf(model, prompts[:4], 4)  # warm-up
+        results.append(run_hf(model, prompts, args.max_tokens))
+    for r in results:
+        print(f"{r.name:28s} {r.num_tokens:6d} tokens in {r.seconds:6.2f} s = {r.tokens_per_s:7.1f} tok/s")
+    if len(results) == 2:
+        print(f"speedup vs HF static batch: {results[0].tokens_per_s / results[1].tokens_per_s:.2f}x")
+    print(f"single-request decode: {single:.2f} ms/token")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,44 @@
+# Shared fixtures: a tiny but real GPT-2 checkpoint (2 layers, 64 wide, GPT-2's full
+# 50257-token vocabulary and its real tokenizer) written the way transformers writes one,
+# in safetensors and in pytorch_model.bin form, and the offline GPT-2 tokenizer. Tests use
+# them wherever a user would meet real weights and a real tokenizer, without a model hub.
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file
+
+from engine.loader import load_tokenizer
+
+
+@pytest.fixture(scope="session")
+def gpt2_tokenizer() -> transformers.PreTrainedTokenizerBase:
+    return load_tokenizer("gpt2")
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt2_dir(tmp_path_factory: pytest.TempPathFactory, gpt2_tokenizer) -> Path:
+    directory = tmp_path_factory.mktemp("tiny-gpt2")
+    # initializer_range 10x GPT-2's makes logit gaps wide, so greedy argmax is decisive.
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=64, n_head=4, n_positions=1024, vocab_size=50257, initializer_range=0.2
+    )
+    torch.manual_seed(0)
+    transformers.GPT2LMHeadModel(config).save_pretrained(directory)
+    gpt2_tokenizer.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt2_bin_dir(tmp_path_factory: pytest.TempPathFactory, tiny_gpt2_dir: Path) -> Path:
+    directory = tmp_path_factory.mktemp("tiny-gpt2-bin")
+    for file in tiny_gpt2_dir.iterdir():
+        if file.suffix != ".safetensors":
+            shutil.copy(file, directory)
+    # transformers 5.x always saves safetensors (save_pretrained ignores safe_serialization).
+    torch.save(load_file(tiny_gpt2_dir / "model.safetensors"), directory / "pytorch_model.bin")
+    return directory
