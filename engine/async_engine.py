@@ -7,7 +7,7 @@ Threads and what they own:
 
 Requests and aborts reach the loop through an inbox (one lock); the loop sleeps on an
 Event while it has no work, never polling. Each step's outputs cross back in one
-call_soon_threadsafe, and a stream's consumer takes every token that arrived since its
+call_soon_threadsafe per event loop with consumers (normally exactly one), and a stream's consumer takes every token that arrived since its
 last wake-up as one chunk: one token per chunk at light load, many under heavy load.
 """
 
@@ -77,7 +77,7 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._inbox: list[tuple] = []
         self._streams: dict[str, _Stream] = {}
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loops: dict[str, asyncio.AbstractEventLoop] = {}  # step loop thread only
         self._error: EngineDeadError | None = None
         self._stopping = False
         self._stats = self.engine.stats()
@@ -116,9 +116,8 @@ class AsyncEngine:
         self.engine.validate_request(prompt_token_ids, params)
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        self._bind_loop()
         stream = self._streams[request_id] = _Stream()
-        self._submit(("add", request_id, list(prompt_token_ids), params))
+        self._submit(("add", request_id, list(prompt_token_ids), params, asyncio.get_running_loop()))
         try:
             while True:
                 await stream.event.wait()
@@ -144,13 +143,6 @@ class AsyncEngine:
             self._wake.set()
         self._thread.join(timeout)
 
-    def _bind_loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        if self._loop is None:
-            self._loop = loop
-        elif self._loop is not loop:
-            raise RuntimeError("AsyncEngine serves one asyncio event loop")
-
     def _submit(self, command: tuple) -> None:
         with self._lock:
             self._inbox.append(command)
@@ -163,13 +155,22 @@ class AsyncEngine:
             while self._wait_for_work():
                 outputs = self.engine.step()
                 self._stats = self.engine.stats()
-                if outputs:
-                    self._loop.call_soon_threadsafe(self._deliver, outputs)
+                self._publish(outputs)
         except BaseException as exc:  # noqa: BLE001 - any crash must fail requests, not hang them
             logger.exception("engine step loop crashed")
             self._error = EngineDeadError(f"engine step loop crashed: {exc!r}")
-            if self._loop is not None:
-                self._loop.call_soon_threadsafe(self._fail_all, self._error)
+            for loop in set(self._loops.values()):
+                loop.call_soon_threadsafe(self._fail_all, self._error)
+
+    def _publish(self, outputs: list[StepOutput]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[StepOutput]] = {}
+        for output in outputs:
+            loop = self._loops[output.request_id]
+            by_loop.setdefault(loop, []).append(output)
+            if output.finish_reason is not None:
+                del self._loops[output.request_id]
+        for loop, batch in by_loop.items():
+            loop.call_soon_threadsafe(self._deliver, batch)
 
     def _wait_for_work(self) -> bool:
         """Apply queued commands; sleep while there is nothing to step. False = stop."""
@@ -188,18 +189,17 @@ class AsyncEngine:
             self._stats = self.engine.stats()
 
     def _apply(self, commands: list[tuple]) -> None:
-        failures = []
         for command in commands:
             if command[0] == "abort":
                 self.engine.abort_request(command[1])
+                self._loops.pop(command[1], None)
                 continue
-            _, request_id, prompt_token_ids, params = command
+            _, request_id, prompt_token_ids, params, loop = command
             try:
                 self.engine.add_request(request_id, prompt_token_ids, params)
+                self._loops[request_id] = loop
             except ValueError as exc:
-                failures.append((request_id, exc))
-        if failures:
-            self._loop.call_soon_threadsafe(self._fail_some, failures)
+                loop.call_soon_threadsafe(self._fail_some, [(request_id, exc)])
 
     # ---- asyncio loop ----
 
@@ -216,7 +216,7 @@ class AsyncEngine:
                 stream.fail(exc)
 
     def _fail_all(self, error: BaseException) -> None:
-        for stream in self._streams.values():
+        for stream in list(self._streams.values()):
             stream.fail(error)
 
 

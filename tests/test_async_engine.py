@@ -1,0 +1,150 @@
+"""AsyncEngine: streaming from the background step loop, coalesced chunks, aborts, crashes."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from engine import LLM, AsyncEngine, EngineConfig, EngineDeadError, SamplingParams
+from tests.engine_helpers import mixed_prompts
+
+GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture
+def engine(tiny_gpt2_dir):
+    engine = AsyncEngine(EngineConfig(model=str(tiny_gpt2_dir), weights="pretrained", dtype="float32", device="cpu"))
+    yield engine
+    engine.shutdown()
+    assert not engine._thread.is_alive()
+
+
+async def collect(engine: AsyncEngine, request_id: str, prompt: list[int], params=GREEDY):
+    chunks = [chunk async for chunk in engine.generate(request_id, prompt, params)]
+    return chunks, [t for c in chunks for t in c.token_ids]
+
+
+async def wait_until(predicate, timeout: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.01)
+
+
+def test_streams_match_offline_generation(engine, tiny_gpt2_dir):
+    prompts = mixed_prompts(8)
+    offline = LLM(str(tiny_gpt2_dir), weights="pretrained", dtype="float32", device="cpu").generate(prompts, GREEDY)
+
+    async def main():
+        return await asyncio.gather(*(collect(engine, f"r{i}", p) for i, p in enumerate(prompts)))
+
+    results = asyncio.run(main())
+    for (chunks, tokens), expected in zip(results, offline):
+        assert tokens == expected.token_ids
+        assert chunks[-1].finish_reason == "length"
+        assert all(c.finish_reason is None for c in chunks[:-1])
+        assert chunks[0].num_prompt_tokens > 0
+
+
+def test_a_slow_consumer_gets_tokens_coalesced_into_fewer_chunks(engine):
+    async def main():
+        chunks = []
+        async for chunk in engine.generate("slow", [1, 2, 3], GREEDY):
+            chunks.append(chunk)
+            await asyncio.sleep(0.05)  # the engine keeps stepping meanwhile
+        return chunks
+
+    chunks = asyncio.run(main())
+    assert sum(len(c.token_ids) for c in chunks) == 20
+    assert len(chunks) < 20
+    assert max(len(c.token_ids) for c in chunks) > 1
+
+
+def test_first_and_last_chunks_carry_timings(engine):
+    chunks, _ = asyncio.run(collect(engine, "t", [1, 2, 3]))
+    for chunk in (chunks[0], chunks[-1]):
+        assert set(chunk.timings) == {"queue_wait_s", "prefill_s", "ttft_s"}
+        assert chunk.timings["ttft_s"] >= chunk.timings["queue_wait_s"] >= 0
+
+
+def test_step_outputs_reach_asyncio_once_per_step(engine):
+    calls = []
+    original = engine._deliver
+    engine._deliver = lambda outputs: (calls.append(len(outputs)), original(outputs))
+
+    async def main():
+        return await asyncio.gather(*(collect(engine, f"r{i}", [i + 1]) for i in range(6)))
+
+    asyncio.run(main())
+    assert sum(calls) == 6 * 20
+    assert len(calls) < 6 * 20  # several requests' tokens per hand-over
+
+
+def test_breaking_out_of_a_stream_aborts_the_request_and_frees_its_blocks(engine):
+    async def main():
+        async for chunk in engine.generate("quit", list(range(40)), SamplingParams(max_tokens=500, temperature=0, ignore_eos=True)):
+            break
+        await wait_until(lambda: engine.stats().num_kv_blocks_used == 0 and engine.stats().num_running == 0)
+
+    asyncio.run(main())
+    assert engine.num_active_requests() == 0
+    engine.engine.check_integrity()
+
+
+def test_cancelling_the_consumer_task_aborts_the_request(engine):
+    async def consume():
+        async for _ in engine.generate("cancel-me", [5] * 30, SamplingParams(max_tokens=500, temperature=0, ignore_eos=True)):
+            pass
+
+    async def main():
+        task = asyncio.create_task(consume())
+        await wait_until(lambda: engine.stats().num_running == 1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await wait_until(lambda: engine.stats().num_kv_blocks_used == 0 and engine.stats().num_running == 0)
+
+    asyncio.run(main())
+
+
+def test_invalid_request_raises_before_streaming(engine):
+    async def main():
+        with pytest.raises(ValueError, match="context"):
+            await collect(engine, "too-long", [1] * 1020, SamplingParams(max_tokens=10))
+
+    asyncio.run(main())
+    assert engine.num_active_requests() == 0
+
+
+def test_a_crash_in_the_step_loop_fails_in_flight_requests_and_marks_the_engine_dead(engine):
+    def crash(batch):
+        raise RuntimeError("injected fault")
+
+    async def main():
+        stream = engine.generate("doomed", [1, 2, 3], SamplingParams(max_tokens=500, temperature=0, ignore_eos=True))
+        await stream.__anext__()
+        engine.engine.runner.run = crash
+        with pytest.raises(EngineDeadError, match="injected fault"):
+            async for _ in stream:
+                pass
+        with pytest.raises(EngineDeadError):
+            await collect(engine, "after", [1])
+
+    asyncio.run(asyncio.wait_for(main(), timeout=10))
+    assert engine.is_dead
+    with pytest.raises(EngineDeadError):
+        engine.check_health()
+
+
+def test_idle_loop_sleeps_instead_of_polling(engine):
+    asyncio.run(collect(engine, "warm", [1]))
+    threading.Event().wait(0.05)
+    checks = []
+    original = engine.engine.has_unfinished_requests
+    engine.engine.has_unfinished_requests = lambda: checks.append(1) or original()
+    threading.Event().wait(0.3)
+    assert checks == []  # a polling loop would look for work again and again
+    asyncio.run(collect(engine, "wake", [2]))  # and a new request still wakes it
+    assert checks

@@ -1,0 +1,122 @@
+"""Sampling parameters: validation, seeded reproducibility, filters, stops and limits."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from engine import LLM, SamplingParams
+from tests.engine_helpers import mixed_prompts
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_gpt2_dir) -> LLM:
+    return LLM(str(tiny_gpt2_dir), weights="pretrained", dtype="float32", device="cpu")
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": math.nan}, "temperature"),
+        ({"temperature": math.inf}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": 2.5}, "max_tokens"),
+        ({"stop": [""]}, "stop"),
+        ({"stop": ["x"] * 17}, "stop"),
+        ({"seed": "7"}, "seed"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
+    ],
+)
+def test_invalid_sampling_params_are_rejected_with_a_clear_message(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_top_k_minus_one_means_disabled():
+    assert SamplingParams(top_k=-1).top_k == 0
+
+
+def test_seeded_sampling_is_reproducible_across_batch_compositions(llm):
+    seeded = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
+    prompt = mixed_prompts(3)[2]
+    alone = llm.generate([prompt], seeded)[0].token_ids
+    others = SamplingParams(max_tokens=16, temperature=0.8, top_k=50, ignore_eos=True)
+    in_batch = llm.generate(mixed_prompts(6) + [prompt], [others] * 6 + [seeded])[-1].token_ids
+    assert alone == in_batch
+    other_seed = llm.generate([prompt], SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=4321, ignore_eos=True))
+    assert other_seed[0].token_ids != alone
+
+
+def test_unseeded_sampling_varies(llm):
+    params = SamplingParams(max_tokens=16, temperature=1.0, ignore_eos=True)
+    first, second = llm.generate([[5, 6, 7], [5, 6, 7]], params)
+    assert first.token_ids != second.token_ids
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy(llm):
+    prompts = mixed_prompts(4)
+    greedy = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))]
+    top_k = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=1.5, top_k=1, ignore_eos=True))
+    top_p = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=1.5, top_p=1e-6, ignore_eos=True))
+    assert [o.token_ids for o in top_k] == greedy
+    assert [o.token_ids for o in top_p] == greedy
+
+
+def test_max_tokens_ends_with_length(llm):
+    out = llm.generate("Hello", SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))[0]
+    assert len(out.token_ids) == 5 and out.finish_reason == "length"
+
+
+def test_stop_token_ends_with_stop_unless_ignored(llm):
+    greedy = llm.generate("Hello", SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))[0].token_ids
+    stop_at = greedy[3]
+    out = llm.generate("Hello", SamplingParams(max_tokens=10, temperature=0, stop_token_ids=[stop_at]))[0]
+    assert out.finish_reason == "stop"
+    assert out.token_ids == greedy[: greedy.index(stop_at) + 1]
+
+
+def test_eos_ends_with_stop_and_ignore_eos_runs_on(tiny_gpt2_dir):
+    llm = LLM(str(tiny_gpt2_dir), weights="pretrained", dtype="float32", device="cpu")
+    greedy = llm.generate("Hello", SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))[0].token_ids
+    # Random weights rarely pick <|endoftext|>: declare the 4th greedy token the EOS instead.
+    llm.engine.eos_token_id = greedy[3]
+    stopped = llm.generate("Hello", SamplingParams(max_tokens=10, temperature=0))[0]
+    assert stopped.finish_reason == "stop"
+    assert stopped.token_ids == greedy[: greedy.index(greedy[3]) + 1]
+    ignored = llm.generate("Hello", SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))[0]
+    assert ignored.token_ids == greedy and ignored.finish_reason == "length"
+
+
+def test_stop_string_ends_the_text_before_it(llm):
+    full = llm.generate("The quick brown fox", SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))[0]
+    stop = full.text[len(full.text) // 2 : len(full.text) // 2 + 3]
+    out = llm.generate("The quick brown fox", SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, stop=[stop]))[0]
+    assert out.finish_reason == "stop"
+    assert out.text == full.text[: full.text.index(stop)]
+    assert stop not in out.text
+    assert out.token_ids == full.token_ids[: len(out.token_ids)]
+    assert llm.engine.stats().num_kv_blocks_used == 0
+
+
+def test_prompt_plus_max_tokens_beyond_context_is_rejected(llm):
+    with pytest.raises(ValueError, match="context"):
+        llm.generate([1] * 1000, SamplingParams(max_tokens=25))
+    assert llm.generate([1] * 1000, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))[0].finish_reason == "length"
+
+
+def test_request_larger_than_the_block_pool_is_rejected_at_add(tiny_gpt2_dir):
+    llm = LLM(str(tiny_gpt2_dir), weights="pretrained", dtype="float32", device="cpu", num_kv_blocks=4)
+    with pytest.raises(ValueError, match="KV blocks"):
+        llm.engine.add_request("big", [1] * 60, SamplingParams(max_tokens=10))
+    assert not llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("prompt", [[], [50257], [-1]])
+def test_empty_or_out_of_vocabulary_prompts_are_rejected(llm, prompt):
+    with pytest.raises(ValueError, match="prompt"):
+        llm.generate([prompt], SamplingParams())
