@@ -1,0 +1,87 @@
+"""rayinfer's own metrics, recorded with Ray's metrics API from inside the replicas.
+
+Ray exports them (prefixed `ray_`) on every node's metrics endpoint, so they appear in
+Prometheus, the Ray dashboard's Metrics view and configs/grafana/rayinfer.json. Each replica
+records its own series; Prometheus sums them across replicas.
+"""
+
+from __future__ import annotations
+
+from ray.util.metrics import Counter, Gauge, Histogram
+
+from engine.outputs import EngineStats
+
+_LATENCY_BUCKETS_S = [0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30, 60]
+_TPOT_BUCKETS_S = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28]
+_BATCH_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128]
+
+
+class RequestMetrics:
+    """Per-request figures, recorded by the ingress as each request ends."""
+
+    def __init__(self) -> None:
+        self.requests = Counter("rayinfer_requests", "HTTP requests by endpoint and status code.",
+                                tag_keys=("endpoint", "status"))
+        self.ttft = Histogram("rayinfer_ttft_seconds", "Time to first token, from request receipt.",
+                              boundaries=_LATENCY_BUCKETS_S)
+        self.tpot = Histogram("rayinfer_tpot_seconds", "Time per output token after the first.",
+                              boundaries=_TPOT_BUCKETS_S)
+        self.e2e = Histogram("rayinfer_e2e_seconds", "End-to-end request latency.", boundaries=_LATENCY_BUCKETS_S)
+        self.queue_wait = Histogram("rayinfer_queue_wait_seconds", "Time waiting for the engine's scheduler.",
+                                    boundaries=_LATENCY_BUCKETS_S)
+        self.prompt_tokens = Counter("rayinfer_prompt_tokens", "Prompt tokens processed.")
+        self.completion_tokens = Counter("rayinfer_completion_tokens", "Completion tokens generated.")
+
+    def record_request(self, endpoint: str, status: int) -> None:
+        self.requests.inc(1, tags={"endpoint": endpoint, "status": str(status)})
+
+    def record_completion(self, *, ttft_s: float | None, e2e_s: float, queue_wait_s: float | None,
+                          num_prompt_tokens: int, num_completion_tokens: int) -> None:
+        self.e2e.observe(e2e_s)
+        if ttft_s is not None:
+            self.ttft.observe(ttft_s)
+            if num_completion_tokens > 1:
+                self.tpot.observe((e2e_s - ttft_s) / (num_completion_tokens - 1))
+        if queue_wait_s is not None:
+            self.queue_wait.observe(queue_wait_s)
+        if num_prompt_tokens > 0:
+            self.prompt_tokens.inc(num_prompt_tokens)
+        if num_completion_tokens > 0:
+            self.completion_tokens.inc(num_completion_tokens)
+
+
+class EngineMetrics:
+    """The engine's state, sampled by the engine replica."""
+
+    def __init__(self) -> None:
+        self.running = Gauge("rayinfer_running_requests", "Requests in the running batch.")
+        self.waiting = Gauge("rayinfer_waiting_requests", "Requests waiting to be scheduled.")
+        self.kv_usage = Gauge("rayinfer_kv_cache_usage", "Fraction of KV cache blocks in use (0..1).")
+        self.kv_blocks_used = Gauge("rayinfer_kv_blocks_used", "KV cache blocks in use.")
+        self.kv_blocks_total = Gauge("rayinfer_kv_blocks_total", "KV cache blocks in the pool.")
+        self.prefix_hit_rate = Gauge("rayinfer_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache (0..1).")
+        self.preemptions = Counter("rayinfer_preemptions", "Sequences preempted for lack of KV blocks.")
+        self._last_preemptions = 0
+
+    def update(self, stats: EngineStats) -> None:
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.kv_usage.set(stats.kv_cache_usage)
+        self.kv_blocks_used.set(stats.num_kv_blocks_used)
+        self.kv_blocks_total.set(stats.num_kv_blocks_total)
+        self.prefix_hit_rate.set(stats.prefix_cache_hit_rate)
+        if stats.num_preemptions > self._last_preemptions:
+            self.preemptions.inc(stats.num_preemptions - self._last_preemptions)
+            self._last_preemptions = stats.num_preemptions
+
+
+class TokenizerMetrics:
+    def __init__(self) -> None:
+        self.batch_size = Histogram("rayinfer_tokenizer_batch_size", "Requests encoded per batched call.",
+                                    boundaries=_BATCH_BUCKETS)
+        self.latency = Histogram("rayinfer_tokenizer_latency_seconds", "Time to encode one batch.",
+                                 boundaries=_LATENCY_BUCKETS_S)
+
+    def record_batch(self, size: int, latency_s: float) -> None:
+        self.batch_size.observe(size)
+        self.latency.observe(latency_s)

@@ -1,0 +1,48 @@
+"""Write a GPT-2-family checkpoint with random weights and the offline GPT-2 tokenizer, for
+servers that load only from a directory (`transformers serve`) on machines without a hub.
+
+GPT-2 has no chat template, and `transformers serve` answers /v1/chat/completions with a
+500 without one, so the tokenizer is saved with CHAT_TEMPLATE ("role: content" lines, then
+"assistant:").
+
+    python -m loadtest.make_checkpoint /tmp/gpt2-random --arch gpt2
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+import transformers
+
+from engine.loader import KNOWN_CONFIGS, load_tokenizer
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+def make_checkpoint(directory: Path, arch: str = "gpt2", seed: int = 0) -> Path:
+    config = transformers.GPT2Config.from_dict(KNOWN_CONFIGS[arch])
+    torch.manual_seed(seed)
+    transformers.GPT2LMHeadModel(config).save_pretrained(directory)
+    tokenizer = load_tokenizer("gpt2")
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("directory", type=Path)
+    parser.add_argument("--arch", default="gpt2", choices=sorted(KNOWN_CONFIGS))
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    make_checkpoint(args.directory, args.arch, args.seed)
+    print(f"wrote {args.arch} with random weights to {args.directory}")
+
+
+if __name__ == "__main__":
+    main()
