@@ -1,0 +1,82 @@
+"""The Serve application: `import_path: deployments.app:build_app` in configs/*.yaml.
+
+    Ingress ──encode──▶ TokenizerDeployment   (CPU, autoscaled)
+            ──generate (stream)──▶ EngineDeployment   (one replica: a GPU where the cluster has one)
+
+Options a config file's `deployments:` list sets (replicas, autoscaling,
+max_ongoing_requests, ray_actor_options) override the code's; the engine's
+ray_actor_options are left to build_app, which decides its GPU.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import ray
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from ray import serve
+
+from deployments.engine import EngineDeployment
+from deployments.ingress import Ingress
+from deployments.tokenizer import TokenizerDeployment
+from engine import EngineConfig
+
+
+class AppArgs(BaseModel):
+    """The `args:` of an application in a Serve config file."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = "gpt2"  # a Hugging Face id or a local checkpoint directory
+    served_model_name: str | None = None  # the `model` in API responses; defaults to `model`
+    weights: Literal["auto", "pretrained", "random"] = "auto"
+    dtype: str = "auto"  # auto: bf16 on GPUs and on CPUs with fast bf16, else fp32
+    device: str = "auto"  # auto: cuda when the engine replica got a GPU
+    seed: int = 0
+    engine: dict[str, Any] = Field(default_factory=dict)  # any other EngineConfig field
+    engine_num_cpus: float = 0.5
+    engine_num_gpus: float | Literal["auto"] = "auto"  # auto: 1 if the cluster has a GPU, else 0
+    tokenizer_num_replicas: int | None = None  # None: the deployment's autoscaling_config
+    tokenizer_max_batch_size: int = Field(32, ge=1)
+    tokenizer_batch_wait_s: float = Field(0.0, ge=0)
+
+
+def build_app(args: dict) -> serve.Application:
+    app_args = AppArgs.model_validate(args)
+    num_gpus = engine_num_gpus(app_args)
+    config = engine_config(app_args, num_gpus)
+    tokenizer = TokenizerDeployment
+    if app_args.tokenizer_num_replicas is not None:
+        tokenizer = tokenizer.options(num_replicas=app_args.tokenizer_num_replicas, autoscaling_config=None)
+    engine = EngineDeployment.options(ray_actor_options={"num_cpus": app_args.engine_num_cpus, "num_gpus": num_gpus})
+    return Ingress.bind(
+        tokenizer.bind(app_args.model, app_args.tokenizer_max_batch_size, app_args.tokenizer_batch_wait_s),
+        engine.bind(config),
+        app_args.served_model_name or app_args.model,
+    )
+
+
+def engine_config(args: AppArgs, num_gpus: float) -> EngineConfig:
+    # A replica without a reserved GPU must not take one it happens to see.
+    device = "cpu" if num_gpus == 0 and args.device == "auto" else args.device
+    try:
+        return EngineConfig(model=args.model, weights=args.weights, dtype=args.dtype, device=device,
+                            seed=args.seed, **args.engine)
+    except TypeError as error:  # an unknown key in `engine:`
+        raise ValueError(f"bad engine args {sorted(args.engine)}: {error}") from None
+
+
+def engine_num_gpus(args: AppArgs) -> float:
+    if args.engine_num_gpus != "auto":
+        return args.engine_num_gpus
+    if args.device == "cpu":
+        return 0
+    return 1 if args.device.startswith("cuda") or cluster_num_gpus() >= 1 else 0
+
+
+def cluster_num_gpus() -> float:
+    if ray.is_initialized():
+        return ray.cluster_resources().get("GPU", 0)
+    # `serve run module:build_app` builds the app before it connects to Ray.
+    return torch.cuda.device_count()

@@ -1,0 +1,102 @@
+"""Tokenizer deployment: prompts and chat messages in, validated token ids out.
+
+Concurrent calls are batched (`@serve.batch`): one batched encode serves every request
+that queued up while the previous batch ran (batch_wait_timeout_s 0: no added latency at
+light load, big batches under heavy load). Each request gets its own result, `Encoded` or
+`EncodeError`, so one bad prompt never fails its batch-mates.
+
+Chat template (GPT-2 has none): one "role: content" line per message, then "assistant:"
+for the model to continue, e.g.
+
+    system: You are terse.
+    user: Hi!
+    assistant:
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ray import serve
+
+from deployments.engine import route_logs_to_serve
+from engine.loader import load_tokenizer
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    role: str
+    content: str
+
+
+@dataclass(frozen=True)
+class EncodeRequest:
+    """Exactly one of `prompt` (text or token ids) and `messages` is set."""
+
+    prompt: str | list[int] | None = None
+    messages: list[ChatMessage] | None = None
+    max_tokens: int | None = None  # None: the rest of the context
+    max_model_len: int = 1024
+
+    @property
+    def param(self) -> str:
+        return "messages" if self.messages is not None else "prompt"
+
+    @property
+    def text(self) -> str | None:
+        if self.messages is not None:
+            return apply_chat_template(self.messages)
+        return self.prompt if isinstance(self.prompt, str) else None
+
+
+@dataclass(frozen=True)
+class Encoded:
+    token_ids: list[int]
+    max_tokens: int
+
+
+@dataclass(frozen=True)
+class EncodeError:
+    message: str
+    param: str
+    code: str | None = None
+
+
+def apply_chat_template(messages: list[ChatMessage]) -> str:
+    return "".join(f"{m.role}: {m.content}\n" for m in messages) + "assistant:"
+
+
+@serve.deployment(
+    ray_actor_options={"num_cpus": 0.1},
+    max_ongoing_requests=128,
+    autoscaling_config={"min_replicas": 1, "initial_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 32},
+    logging_config={"enable_access_log": False},
+)
+class TokenizerDeployment:
+    def __init__(self, model: str, max_batch_size: int = 32, batch_wait_timeout_s: float = 0.0) -> None:
+        route_logs_to_serve("engine")
+        self._tokenizer = load_tokenizer(model)
+        self._vocab_size = len(self._tokenizer)
+        self.encode.set_max_batch_size(max_batch_size)
+        self.encode.set_batch_wait_timeout_s(batch_wait_timeout_s)
+
+    @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.0)
+    async def encode(self, requests: list[EncodeRequest]) -> list[Encoded | EncodeError]:
+        texts = [r.text for r in requests if r.text is not None]
+        encoded = iter(self._tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else ())
+        return [self._check(r, next(encoded) if r.text is not None else r.prompt) for r in requests]
+
+    def _check(self, request: EncodeRequest, token_ids: list[int] | None) -> Encoded | EncodeError:
+        param, context = request.param, request.max_model_len
+        if not token_ids:
+            return EncodeError(f"{param} must not be empty", param)
+        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self._vocab_size for t in token_ids):
+            return EncodeError(f"prompt token ids must be integers in [0, {self._vocab_size})", param)
+        if len(token_ids) >= context:
+            return EncodeError(f"{param} is {len(token_ids)} tokens, the model's context is {context}: "
+                               "no room to generate", param, "context_length_exceeded")
+        max_tokens = request.max_tokens if request.max_tokens is not None else context - len(token_ids)
+        if len(token_ids) + max_tokens > context:
+            return EncodeError(f"{param} ({len(token_ids)} tokens) + max_tokens ({max_tokens}) exceeds the "
+                               f"model's context of {context} tokens", "max_tokens", "context_length_exceeded")
+        return Encoded(list(token_ids), max_tokens)

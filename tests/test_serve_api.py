@@ -1,0 +1,332 @@
+# The HTTP API as a client meets it: a real Ray Serve instance on CPU (2 tokenizer replicas,
+# one engine replica, the FastAPI ingress), real HTTP, the real GPT-2 tokenizer and the
+# tiny checkpoint from conftest.py.
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import psutil
+import pytest
+import ray
+from ray import serve
+
+from deployments import app as app_module
+from deployments.app import build_app
+from deployments.tokenizer import Encoded, EncodeRequest
+from engine import LLM, SamplingParams
+
+pytestmark = pytest.mark.serve
+
+APP = "rayinfer"
+# 48 blocks x 16 tokens = 768 tokens: requests within the 1024-token context that the
+# engine, not the tokenizer, must reject.
+ENGINE_ARGS = {"num_kv_blocks": 48, "max_num_seqs": 32, "max_num_batched_tokens": 256}
+PROMPTS = ["Hello, my name is", "The capital of France is", "def fibonacci(n):"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def is_running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def wait_for_exit(pids: list[int], timeout_s: float = 20) -> list[int]:
+    """The pids still running after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    alive = [p for p in pids if is_running(p)]
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.2)
+        alive = [p for p in alive if is_running(p)]
+    return alive
+
+
+@pytest.fixture(scope="module")
+def base_url(tiny_gpt2_dir: Path) -> Iterator[str]:
+    port = free_port()
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_app({"model": str(tiny_gpt2_dir), "dtype": "float32", "engine": ENGINE_ARGS,
+                             "tokenizer_num_replicas": 2}), name=APP, route_prefix="/")
+        # gcs_server and raylet are our children; every worker is the raylet's.
+        ray_pids = [p.pid for p in psutil.Process().children(recursive=True)]
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    assert wait_for_exit(ray_pids) == [], "Ray processes outlived ray.shutdown()"
+
+
+@pytest.fixture(scope="module")
+def client(base_url: str) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=base_url, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def oai(base_url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
+
+
+def sse_payloads(response: httpx.Response) -> list[str]:
+    assert response.headers["content-type"].startswith("text/event-stream")
+    lines = [line for line in response.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines), lines
+    return [line.removeprefix("data: ") for line in lines]
+
+
+def engine_health(client: httpx.Client) -> dict:
+    response = client.get("/health")
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def wait_until_engine_idle(client: httpx.Client, timeout_s: float = 10) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        health = engine_health(client)
+        idle = health["num_active_requests"] == 0 and health["stats"]["num_running"] == 0
+        if (idle and health["stats"]["num_kv_blocks_used"] == 0) or time.monotonic() > deadline:
+            return health
+        time.sleep(0.1)
+
+
+def greedy(prompt: str | list[int], max_tokens: int = 12, **fields) -> dict:
+    return {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **fields}
+
+
+def test_sse_stream_sends_token_chunks_then_usage_then_done(client: httpx.Client) -> None:
+    body = greedy(PROMPTS[0], max_tokens=8, ignore_eos=True, stream=True, stream_options={"include_usage": True})
+    with client.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        payloads = sse_payloads(response)
+    assert payloads[-1] == "[DONE]"
+    chunks = [json.loads(p) for p in payloads[:-1]]
+    *token_chunks, usage_chunk = chunks
+    assert len(token_chunks) >= 2  # streamed, not one blob
+    assert all(c["object"] == "text_completion" and c["usage"] is None for c in token_chunks)
+    assert [c["choices"][0]["finish_reason"] for c in token_chunks][-1] == "length"
+    assert usage_chunk["choices"] == []
+    assert usage_chunk["usage"]["completion_tokens"] == 8
+    assert usage_chunk["usage"]["total_tokens"] == usage_chunk["usage"]["prompt_tokens"] + 8
+
+
+def test_openai_client_completion(oai: openai.OpenAI) -> None:
+    completion = oai.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    assert completion.choices[0].finish_reason == "length"
+    assert completion.choices[0].text
+    assert completion.usage.completion_tokens == 6
+
+
+def test_openai_client_completion_stream(oai: openai.OpenAI) -> None:
+    stream = oai.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=6, temperature=0, stream=True,
+                                    extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    non_stream = oai.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=6, temperature=0,
+                                        extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].text for c in chunks) == non_stream.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_openai_client_chat(oai: openai.OpenAI) -> None:
+    chat = oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi there"}],
+                                       max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+    assert chat.choices[0].message.role == "assistant"
+    assert chat.choices[0].message.content
+    assert chat.choices[0].finish_reason == "length"
+    assert chat.usage.completion_tokens == 5
+
+
+def test_openai_client_chat_stream_with_usage(oai: openai.OpenAI) -> None:
+    stream = oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi there"}],
+                                         max_tokens=5, temperature=0, stream=True,
+                                         stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].usage.completion_tokens == 5
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    non_stream = oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi there"}],
+                                             max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+    assert text == non_stream.choices[0].message.content
+
+
+def test_chat_template_is_role_lines_ending_with_assistant(client: httpx.Client) -> None:
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    chat = client.post("/v1/chat/completions", json={"model": "tiny", "messages": messages, "max_tokens": 4,
+                                                     "temperature": 0}).json()
+    completion = client.post("/v1/completions", json=greedy("system: Be brief.\nuser: Hi there\nassistant:",
+                                                            max_tokens=4)).json()
+    assert chat["usage"]["prompt_tokens"] == completion["usage"]["prompt_tokens"]
+    assert chat["choices"][0]["message"]["content"] == completion["choices"][0]["text"]
+
+
+def test_greedy_text_matches_the_offline_llm_on_the_same_weights(client: httpx.Client, tiny_gpt2_dir: Path) -> None:
+    llm = LLM(str(tiny_gpt2_dir), dtype="float32", **ENGINE_ARGS)
+    expected = llm.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0))
+    for prompt, offline in zip(PROMPTS, expected):
+        served = client.post("/v1/completions", json=greedy(prompt, max_tokens=24)).json()
+        assert served["choices"][0]["text"] == offline.text
+        assert served["choices"][0]["finish_reason"] == offline.finish_reason
+        assert served["usage"]["completion_tokens"] == len(offline.token_ids)
+
+
+def test_token_id_prompts_generate_like_their_text(client: httpx.Client, gpt2_tokenizer) -> None:
+    ids = gpt2_tokenizer.encode(PROMPTS[2])
+    by_ids = client.post("/v1/completions", json=greedy(ids)).json()
+    by_text = client.post("/v1/completions", json=greedy(PROMPTS[2])).json()
+    assert by_ids["choices"][0]["text"] == by_text["choices"][0]["text"]
+
+
+def test_sixteen_concurrent_streams_all_complete(base_url: str) -> None:
+    async def one(http: httpx.AsyncClient, i: int) -> tuple[int, str]:
+        body = greedy(f"Request number {i} says", max_tokens=16, ignore_eos=True, stream=True,
+                      stream_options={"include_usage": True})
+        async with http.stream("POST", "/v1/completions", json=body) as response:
+            payloads = [line.removeprefix("data: ") async for line in response.aiter_lines() if line]
+        return json.loads(payloads[-2])["usage"]["completion_tokens"], payloads[-1]
+
+    async def main() -> list[tuple[int, str]]:
+        async with httpx.AsyncClient(base_url=base_url, timeout=60) as http:
+            return await asyncio.gather(*(one(http, i) for i in range(16)))
+
+    assert asyncio.run(main()) == [(16, "[DONE]")] * 16
+
+
+def test_the_tokenizer_deployment_serves_from_two_replicas(gpt2_tokenizer) -> None:
+    status = serve.status().applications[APP].deployments["TokenizerDeployment"]
+    assert status.replica_states == {"RUNNING": 2}
+    # Enough concurrent calls that both replicas and their batches are exercised.
+    handle = serve.get_deployment_handle("TokenizerDeployment", APP)
+    responses = [handle.encode.remote(EncodeRequest(prompt=f"prompt {i}", max_tokens=4)) for i in range(64)]
+    results = [r.result(timeout_s=30) for r in responses]
+    assert results == [Encoded(gpt2_tokenizer.encode(f"prompt {i}"), 4) for i in range(64)]
+
+
+def test_a_client_disconnect_mid_stream_aborts_the_request_in_the_engine(client: httpx.Client) -> None:
+    before = wait_until_engine_idle(client)["stats"]["num_generated_tokens"]
+    body = greedy(PROMPTS[0], max_tokens=700, ignore_eos=True, stream=True)
+    with client.stream("POST", "/v1/completions", json=body) as response:
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: ")
+        assert engine_health(client)["num_active_requests"] == 1
+    # Closing the response closed the connection mid-stream.
+    health = wait_until_engine_idle(client)
+    assert health["num_active_requests"] == 0
+    assert health["stats"]["num_kv_blocks_used"] == 0
+    assert health["stats"]["num_generated_tokens"] - before < 700  # aborted, not run to the end
+
+
+def test_a_stop_string_ends_the_stream_with_stop_and_aborts_the_engine_request(client: httpx.Client) -> None:
+    full = client.post("/v1/completions", json=greedy(PROMPTS[0], max_tokens=40, ignore_eos=True)).json()
+    text = full["choices"][0]["text"]
+    stop = text[len(text) // 3 : len(text) // 3 + 3]
+    before = wait_until_engine_idle(client)["stats"]["num_generated_tokens"]
+    body = greedy(PROMPTS[0], max_tokens=700, ignore_eos=True, stop=[stop], stream=True)
+    with client.stream("POST", "/v1/completions", json=body) as response:
+        chunks = [json.loads(p) for p in sse_payloads(response)[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == text[: text.index(stop)]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    health = wait_until_engine_idle(client)
+    assert health["num_active_requests"] == 0 and health["stats"]["num_kv_blocks_used"] == 0
+    assert health["stats"]["num_generated_tokens"] - before < 700
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", greedy(""), "prompt"),
+        ("/v1/completions", greedy([50257]), "prompt"),  # one past GPT-2's vocabulary
+        ("/v1/completions", greedy([-1]), "prompt"),
+        ("/v1/completions", greedy(PROMPTS[0], max_tokens=1020), "max_tokens"),  # prompt + max_tokens > 1024
+        ("/v1/completions", greedy(PROMPTS[0], temperature="hot"), "temperature"),
+        ("/v1/completions", {"model": "tiny"}, "prompt"),
+        ("/v1/chat/completions", {"model": "tiny", "messages": []}, "messages"),
+        ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "robot", "content": "hi"}]}, "messages"),
+        ("/generate", {"prompt": "hi", "max_new_tokens": 0}, "max_new_tokens"),
+    ],
+)
+def test_bad_input_is_a_400_openai_error_naming_the_param(client: httpx.Client, path: str, body: dict,
+                                                          param: str) -> None:
+    response = client.post(path, json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert (error["type"], error["param"]) == ("invalid_request_error", param)
+    assert error["message"]
+
+
+def test_malformed_json_is_a_400_not_a_422(client: httpx.Client) -> None:
+    response = client.post("/v1/completions", content=b'{"prompt": "hi",', headers={"content-type": "application/json"})
+    assert response.status_code == 400
+    assert response.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_a_request_the_engine_rejects_before_any_token_is_a_400(client: httpx.Client) -> None:
+    # Fits the 1024-token context but not the 48-block (768-token) KV cache.
+    response = client.post("/v1/completions", json=greedy(PROMPTS[0], max_tokens=900, stream=True))
+    assert response.status_code == 400, response.text
+    message = response.json()["error"]["message"]
+    assert "KV blocks" in message and "\n" not in message  # the engine's reason, not a traceback
+
+
+def test_generate_streams_plain_text(client: httpx.Client) -> None:
+    body = {"prompt": PROMPTS[1], "max_new_tokens": 10, "stream": True, "temperature": 0, "stop_on_eos": False}
+    with client.stream("POST", "/generate", content=json.dumps(body)) as response:  # no content type, like curl -d
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/plain")
+        pieces = list(response.iter_text())
+    expected = client.post("/v1/completions", json=greedy(PROMPTS[1], max_tokens=10, ignore_eos=True)).json()
+    assert "".join(pieces) == expected["choices"][0]["text"]
+    assert "ttft;dur=" in response.headers["server-timing"]
+
+
+def test_the_final_chunk_carries_the_server_timing_breakdown(client: httpx.Client) -> None:
+    with client.stream("POST", "/v1/completions", json=greedy(PROMPTS[0], max_tokens=4, stream=True)) as response:
+        chunks = [json.loads(p) for p in sse_payloads(response)[:-1]]
+    assert all("server_timing" not in c for c in chunks[:-1])
+    timing = chunks[-1]["server_timing"]
+    assert set(timing) == {"tokenize_ms", "queue_wait_ms", "prefill_ms", "ttft_ms"}
+    assert all(isinstance(v, float) and v >= 0 for v in timing.values())
+    # The engine's share and the tokenizer's lie within the ingress-measured TTFT.
+    assert timing["ttft_ms"] >= timing["tokenize_ms"]
+    assert timing["ttft_ms"] >= timing["queue_wait_ms"] + timing["prefill_ms"]
+    body = client.post("/v1/completions", json=greedy(PROMPTS[0], max_tokens=4)).json()
+    assert set(body["server_timing"]) == set(timing)
+
+
+def test_n_choices_run_as_separate_engine_requests(client: httpx.Client) -> None:
+    body = client.post("/v1/completions", json={"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 8, "n": 2,
+                                                 "seed": 1, "ignore_eos": True}).json()
+    assert [c["index"] for c in body["choices"]] == [0, 1]
+    assert body["usage"]["completion_tokens"] == 16
+
+
+def test_models_and_health_report_the_engine(client: httpx.Client, tiny_gpt2_dir: Path) -> None:
+    card = client.get("/v1/models").json()["data"][0]
+    assert (card["id"], card["weights"], card["max_model_len"]) == (str(tiny_gpt2_dir), "pretrained", 1024)
+    health = engine_health(client)
+    assert health["status"] == "ok"
+    assert health["stats"]["num_kv_blocks_total"] == ENGINE_ARGS["num_kv_blocks"]
+
+
+@pytest.mark.parametrize(("cluster_gpus", "num_gpus", "device"), [(0, 0, "cpu"), (1, 1, "auto"), (8, 1, "auto")])
+def test_the_engine_takes_one_gpu_only_where_the_cluster_has_one(monkeypatch: pytest.MonkeyPatch, cluster_gpus: int,
+                                                                 num_gpus: int, device: str) -> None:
+    monkeypatch.setattr(app_module, "cluster_num_gpus", lambda: cluster_gpus)
+    args = app_module.AppArgs.model_validate({"model": "gpt2"})
+    assert app_module.engine_num_gpus(args) == num_gpus
+    assert app_module.engine_config(args, num_gpus).device == device  # no GPU reserved: never touch one
