@@ -17,8 +17,9 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 
-from deployments.engine import EngineDeployment
+from deployments.engine import DEFAULT_MAX_CHUNKS_PER_S, EngineDeployment
 from deployments.ingress import Ingress
+from deployments.protocol import DEFAULT_MAX_BODY_BYTES
 from deployments.tokenizer import TokenizerDeployment
 from engine import EngineConfig
 
@@ -37,23 +38,40 @@ class AppArgs(BaseModel):
     engine: dict[str, Any] = Field(default_factory=dict)  # any other EngineConfig field
     engine_num_cpus: float = 0.5
     engine_num_gpus: float | Literal["auto"] = "auto"  # auto: 1 if the cluster has a GPU, else 0
+    # Past this many engine->ingress chunks a second, tokens are packed several per chunk.
+    max_chunks_per_s: float | None = Field(DEFAULT_MAX_CHUNKS_PER_S, gt=0)
     tokenizer_num_replicas: int | None = None  # None: the deployment's autoscaling_config
     tokenizer_max_batch_size: int = Field(32, ge=1)
     tokenizer_batch_wait_s: float = Field(0.0, ge=0)
+    # Bearer keys the API requires (none: open). Prefer the RAYINFER_API_KEYS environment
+    # variable: these args are part of the Serve config the dashboard shows.
+    api_keys: list[str] = Field(default_factory=list)
+    max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, ge=1)  # larger bodies get 413
 
 
 def build_app(args: dict) -> serve.Application:
+    """Serve's application builder: it must take exactly the args dict."""
+    return make_app(args)
+
+
+def make_app(args: dict, deployment_options: dict[str, dict] | None = None) -> serve.Application:
+    """`deployment_options` (deployment name -> Serve options) is for Python callers such as
+    tests; a config file's `deployments:` list does the same for `serve run`."""
     app_args = AppArgs.model_validate(args)
+    options = deployment_options or {}
     num_gpus = engine_num_gpus(app_args)
     config = engine_config(app_args, num_gpus)
     tokenizer = TokenizerDeployment
     if app_args.tokenizer_num_replicas is not None:
         tokenizer = tokenizer.options(num_replicas=app_args.tokenizer_num_replicas, autoscaling_config=None)
     engine = EngineDeployment.options(ray_actor_options={"num_cpus": app_args.engine_num_cpus, "num_gpus": num_gpus})
-    return Ingress.bind(
-        tokenizer.bind(app_args.model, app_args.tokenizer_max_batch_size, app_args.tokenizer_batch_wait_s),
-        engine.bind(config),
+    return Ingress.options(**options.get("Ingress", {})).bind(
+        tokenizer.options(**options.get("TokenizerDeployment", {})).bind(
+            app_args.model, app_args.tokenizer_max_batch_size, app_args.tokenizer_batch_wait_s),
+        engine.options(**options.get("EngineDeployment", {})).bind(config, app_args.max_chunks_per_s),
         app_args.served_model_name or app_args.model,
+        app_args.api_keys,
+        app_args.max_body_bytes,
     )
 
 

@@ -10,10 +10,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+import psutil
 from ray import serve
+
+from deployments.metrics import EngineMetrics
 
 from engine import AsyncEngine, EngineConfig, EngineStats, GenerationChunk, ModelInfo, SamplingParams
 
@@ -24,19 +29,50 @@ class EngineStatus:
     stats: EngineStats
     num_active_requests: int
     is_dead: bool
+    rss_bytes: int  # of this replica's process: flat over time, or something leaks
+
+
+FAULT_INJECTION_ENV = "RAYINFER_ENABLE_FAULT_INJECTION"  # "1" only in tests
+
+# Every chunk streamed to the ingress costs CPU in three processes (~0.4 ms in all on this
+# class of machine); past this many chunks a second across all streams, the engine packs
+# several tokens per chunk (see engine/async_engine.py). The first token is never held.
+DEFAULT_MAX_CHUNKS_PER_S = 300.0
+_METRICS_PERIOD_S = 1.0
+
+
+class EngineMetricsReporter:
+    """Samples the engine's stats into Ray gauges once a second, from its own thread."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self._engine = engine
+        self._metrics = EngineMetrics()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rayinfer-metrics", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(_METRICS_PERIOD_S):
+            self._metrics.update(self._engine.stats())
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 @serve.deployment(
     ray_actor_options={"num_cpus": 0.5},  # build_app adds num_gpus: 1 where the cluster has GPUs
     max_ongoing_requests=256,  # continuous batching wants every stream in the engine at once
+    max_queued_requests=64,  # past it the ingress's handle raises BackPressureError: a 429
     graceful_shutdown_timeout_s=30,
     health_check_period_s=5,
     logging_config={"enable_access_log": False},
 )
 class EngineDeployment:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, max_chunks_per_s: float | None = DEFAULT_MAX_CHUNKS_PER_S) -> None:
         route_logs_to_serve("engine")
-        self._engine = AsyncEngine(config)
+        self._engine = AsyncEngine(config, max_chunks_per_s=max_chunks_per_s)
+        self._metrics = EngineMetricsReporter(self._engine)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[GenerationChunk]:
@@ -55,14 +91,28 @@ class EngineDeployment:
         return self._engine.stats()
 
     def status(self) -> EngineStatus:
-        return EngineStatus(self._engine.model_info, self._engine.stats(),
-                            self._engine.num_active_requests(), self._engine.is_dead)
+        return EngineStatus(self._engine.model_info, self._engine.stats(), self._engine.num_active_requests(),
+                            self._engine.is_dead, psutil.Process().memory_info().rss)
 
     def check_health(self) -> None:
         """Serve restarts the replica when this raises: the step loop has died."""
         self._engine.check_health()
 
+    def inject_fault_for_tests(self) -> None:
+        """Crash the step loop at its next step, as a bug in the model would. Refused
+        unless the replica's environment has RAYINFER_ENABLE_FAULT_INJECTION=1."""
+        if os.environ.get(FAULT_INJECTION_ENV) != "1":
+            raise PermissionError(f"fault injection is off (set {FAULT_INJECTION_ENV}=1 in tests only)")
+
+        def crashing_step() -> list:
+            raise RuntimeError("fault injected by a test")
+
+        self._engine.engine.step = crashing_step  # the loop thread looks it up each step
+
     def __del__(self) -> None:
+        metrics = getattr(self, "_metrics", None)
+        if metrics is not None:
+            metrics.stop()
         engine = getattr(self, "_engine", None)
         if engine is not None:
             engine.shutdown()

@@ -15,126 +15,40 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass, field
-from typing import Annotated, Any, Literal
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from deployments.engine import route_logs_to_serve
+from deployments.protocol import (
+    DEFAULT_MAX_BODY_BYTES, ApiError, BodyT, ChatBody, CompletionBody, GenerateBody, _SamplingBody, as_api_error,
+    bad_request, invalid_body, read_json_body, unknown_model,
+)
+from deployments.security import ApiKeys
+from deployments.metrics import RequestCounterMiddleware, request_metrics
 from deployments.tokenizer import ChatMessage, EncodeError, EncodeRequest, Encoded
-from engine import EngineDeadError, GenerationChunk, ModelInfo, SamplingParams
+from engine import GenerationChunk, ModelInfo, SamplingParams
 from engine.detokenizer import IncrementalDetokenizer, TokenVocab
 from engine.loader import load_tokenizer
-from engine.sampling_params import MAX_STOP_STRINGS
 
 logger = logging.getLogger("ray.serve")
 
-MAX_N = 8
 _HEALTH_TIMEOUT_S = 5.0
 
-# ---- request bodies ----
-
-
-class _Body(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-
-
-class StreamOptions(_Body):
-    include_usage: bool = False
-
-
-class _SamplingBody(_Body):
-    model: str | None = None
-    temperature: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 1.0
-    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
-    top_k: Annotated[int, Field(ge=-1)] = 0
-    seed: int | None = None
-    stop: str | Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=MAX_STOP_STRINGS)] | None = None
-    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
-    ignore_eos: bool = False
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-
-    def sampling_params(self, max_tokens: int, index: int) -> SamplingParams:
-        stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
-        seed = None if self.seed is None else self.seed + index  # n choices must differ
-        return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
-                              top_k=self.top_k, seed=seed, stop=tuple(stop), ignore_eos=self.ignore_eos)
-
-    @property
-    def include_usage(self) -> bool:
-        return self.stream_options is not None and self.stream_options.include_usage
-
-
-class CompletionBody(_SamplingBody):
-    prompt: Annotated[str, Field(min_length=1)] | Annotated[list[StrictInt], Field(min_length=1)]
-    max_tokens: Annotated[int, Field(ge=1)] = 16
-
-
-class MessageBody(_Body):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str
-
-
-class ChatBody(_SamplingBody):
-    messages: Annotated[list[MessageBody], Field(min_length=1)]
-    max_tokens: Annotated[int, Field(ge=1)] | None = None  # None: the rest of the context
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
-
-
-class GenerateBody(_Body):
-    prompt: Annotated[str, Field(min_length=1)]
-    max_new_tokens: Annotated[int, Field(ge=1)] = 16
-    stream: bool = False
-    temperature: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 1.0
-    top_k: Annotated[int, Field(ge=-1)] = 0
-    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
-    stop_on_eos: bool = True
-
-
-# ---- errors ----
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.type, self.param, self.code = status, type, param, code
-
-    @property
-    def body(self) -> dict:
-        return {"error": {"message": str(self), "type": self.type, "param": self.param, "code": self.code}}
-
-
-def bad_request(error: EncodeError) -> ApiError:
-    return ApiError(400, error.message, param=error.param, code=error.code)
-
-
-def as_api_error(exc: Exception) -> ApiError:
-    # An error raised in the engine replica arrives as a RayTaskError holding it as `cause`.
-    cause = getattr(exc, "cause", None) or exc
-    if isinstance(cause, ApiError):
-        return cause
-    if isinstance(cause, EngineDeadError):
-        return ApiError(503, "the engine has failed and is restarting; retry shortly", "server_error")
-    if isinstance(cause, ValueError):  # the engine rejected the request (validate_request)
-        return ApiError(400, str(cause))
-    logger.exception("request failed")
-    return ApiError(500, "internal error", "server_error")
-
-
 api = FastAPI(title="rayinfer", description="OpenAI-compatible completions for GPT-2-family models")
+api.add_middleware(RequestCounterMiddleware)
 
 
 @api.exception_handler(ApiError)
 async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
-    return JSONResponse(exc.body, status_code=exc.status)
+    return JSONResponse(exc.body, status_code=exc.status, headers=exc.headers)
 
 
 @api.exception_handler(RequestValidationError)
@@ -143,22 +57,10 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
     return JSONResponse(error.body, status_code=error.status)
 
 
-def invalid_body(errors: Sequence[Any], skip: int = 0) -> ApiError:
-    """400, never FastAPI's 422; `param` names the offending top-level field."""
-    error = errors[0]
-    loc = list(error.get("loc", ()))[skip:]
-    param = loc[0] if loc and isinstance(loc[0], str) else None
-    # Keep list indices, drop pydantic's union-member tags ("str", "list[int]", ...).
-    where = ".".join(str(part) for i, part in enumerate(loc) if i == 0 or isinstance(part, int))
-    return ApiError(400, f"{where}: {error['msg']}" if where else error["msg"], param=param)
-
-
-async def parse_json_body(request: Request, model: type[_Body]) -> Any:
-    """For endpoints curl reaches without a JSON content type (`curl -d '{...}'`)."""
-    try:
-        return model.model_validate_json(await request.body())
-    except ValidationError as exc:
-        raise invalid_body(exc.errors()) from None
+@api.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """404, 405 and the like in OpenAI's shape too."""
+    return JSONResponse(ApiError(exc.status_code, str(exc.detail)).body, status_code=exc.status_code)
 
 
 # ---- what a generation stream yields ----
@@ -348,28 +250,37 @@ async def merge(streams: list[AsyncIterator[ChoiceDelta]]) -> AsyncIterator[Choi
 @serve.deployment(
     ray_actor_options={"num_cpus": 0.25},
     max_ongoing_requests=512,
+    # Past 512 ongoing + 256 queued the proxy answers 429 + Retry-After itself (plain text).
+    # Serve counts requests still being assigned as queued: keep this well above a burst.
+    max_queued_requests=256,
+    backpressure_config={"status_code": 429, "retry_after_s": 1},
     graceful_shutdown_timeout_s=30,
 )
 @serve.ingress(api)
 class Ingress:
-    async def __init__(self, tokenizer: DeploymentHandle, engine: DeploymentHandle, model_name: str) -> None:
+    async def __init__(self, tokenizer: DeploymentHandle, engine: DeploymentHandle, model_name: str,
+                       api_keys: list[str] | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
         self._tokenizer = tokenizer
         self._engine = engine
         self._model_name = model_name
+        self._api_keys = ApiKeys.from_config(api_keys)
+        self._max_body_bytes = max_body_bytes
         route_logs_to_serve("engine")
         self._info: ModelInfo = await engine.model_info.remote()
         self._vocab = TokenVocab.from_tokenizer(load_tokenizer(self._info.name))
 
     @api.post("/v1/completions")
-    async def completions(self, body: CompletionBody) -> Any:
+    async def completions(self, request: Request) -> Any:
         received_at = time.perf_counter()
+        body = await self._read(request, CompletionBody)
         encoded, timing = await self._encode(EncodeRequest(prompt=body.prompt, max_tokens=body.max_tokens,
                                                            max_model_len=self._info.max_model_len))
         return await self._respond(body, encoded, timing, received_at, COMPLETIONS)
 
     @api.post("/v1/chat/completions")
-    async def chat_completions(self, body: ChatBody) -> Any:
+    async def chat_completions(self, request: Request) -> Any:
         received_at = time.perf_counter()
+        body = await self._read(request, ChatBody)
         messages = [ChatMessage(m.role, m.content) for m in body.messages]
         encoded, timing = await self._encode(EncodeRequest(
             messages=messages, max_tokens=body.max_completion_tokens or body.max_tokens,
@@ -379,7 +290,7 @@ class Ingress:
     @api.post("/generate")
     async def generate(self, request: Request) -> Any:
         received_at = time.perf_counter()
-        body: GenerateBody = await parse_json_body(request, GenerateBody)
+        body = await self._read(request, GenerateBody)
         encoded, timing = await self._encode(EncodeRequest(prompt=body.prompt, max_tokens=body.max_new_tokens,
                                                            max_model_len=self._info.max_model_len))
         params = SamplingParams(max_tokens=encoded.max_tokens, temperature=body.temperature, top_p=body.top_p,
@@ -392,7 +303,8 @@ class Ingress:
         return PlainTextResponse(texts[0], headers=headers)
 
     @api.get("/v1/models")
-    async def models(self) -> dict:
+    async def models(self, request: Request) -> dict:
+        self._api_keys.check(request.headers.get("authorization"))
         info = self._info
         card = {"id": self._model_name, "object": "model", "created": 0, "owned_by": "rayinfer",
                 "root": info.name, "weights": info.weights, "max_model_len": info.max_model_len,
@@ -404,14 +316,29 @@ class Ingress:
         try:
             status = await asyncio.wait_for(self._engine.status.remote(), _HEALTH_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001 - unreachable or restarting: unhealthy
-            return JSONResponse(ApiError(503, f"engine unavailable: {exc!r}", "server_error").body, status_code=503)
+            error = ApiError(503, f"engine unavailable: {type(exc).__name__}", "server_error", retry_after_s=1)
+            return JSONResponse(error.body, status_code=503, headers=error.headers)
         body = {"status": "dead" if status.is_dead else "ok", "model": asdict(status.model),
-                "stats": asdict(status.stats), "num_active_requests": status.num_active_requests}
+                "stats": asdict(status.stats), "num_active_requests": status.num_active_requests,
+                "engine_rss_bytes": status.rss_bytes}
         return JSONResponse(body, status_code=503 if status.is_dead else 200)
+
+    async def _read(self, request: Request, model: type[BodyT]) -> BodyT:
+        """Auth first (an unauthorized body is never read), then the size-capped body, then
+        the served model's name where the body names one."""
+        self._api_keys.check(request.headers.get("authorization"))
+        body = await read_json_body(request, model, self._max_body_bytes)
+        name = getattr(body, "model", None)
+        if name is not None and name != self._model_name:
+            raise unknown_model(name)
+        return body
 
     async def _encode(self, request: EncodeRequest) -> tuple[Encoded, ServerTiming]:
         started = time.perf_counter()
-        result = await self._tokenizer.encode.remote(request)
+        try:
+            result = await self._tokenizer.encode.remote(request)
+        except Exception as exc:
+            raise as_api_error(exc) from exc
         if isinstance(result, EncodeError):
             raise bad_request(result)
         return result, ServerTiming(tokenize_ms=1000 * (time.perf_counter() - started))
@@ -443,10 +370,12 @@ class Ingress:
                       timing: ServerTiming, received_at: float) -> AsyncIterator[ChoiceDelta]:
         response = self._engine.options(stream=True).generate.remote(request_id, prompt_token_ids, params)
         detokenizer = IncrementalDetokenizer(self._vocab, params.stop)
-        is_engine_done = False
+        is_engine_done, num_tokens, first_timings = False, 0, None
         try:
             async for chunk in response:
                 timing.record_first_token(chunk, received_at)
+                first_timings = first_timings or chunk.timings
+                num_tokens += len(chunk.token_ids)
                 is_engine_done = chunk.finish_reason is not None
                 delta = detokenizer.push(chunk.token_ids)
                 if delta.stopped:
@@ -457,3 +386,8 @@ class Ingress:
         finally:
             if not is_engine_done:
                 response.cancel()  # the engine's generator aborts the request
+            if num_tokens:
+                request_metrics().record_completion(
+                    ttft_s=timing.ttft_ms / 1000, e2e_s=time.perf_counter() - received_at,
+                    queue_wait_s=(first_timings or {}).get("queue_wait_s"),
+                    num_prompt_tokens=len(prompt_token_ids), num_completion_tokens=num_tokens)

@@ -7,6 +7,9 @@ records its own series; Prometheus sums them across replicas.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 from ray.util.metrics import Counter, Gauge, Histogram
 
 from engine.outputs import EngineStats
@@ -85,3 +88,38 @@ class TokenizerMetrics:
     def record_batch(self, size: int, latency_s: float) -> None:
         self.batch_size.observe(size)
         self.latency.observe(latency_s)
+
+
+@functools.cache
+def request_metrics() -> RequestMetrics:
+    """This process's RequestMetrics, made on first use inside the replica (Ray metrics
+    register with the worker they are created in)."""
+    return RequestMetrics()
+
+
+_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/generate", "/v1/models", "/health")
+
+
+class RequestCounterMiddleware:
+    """Counts HTTP requests by endpoint and final status (pure ASGI, so streaming responses
+    and client disconnects pass through untouched)."""
+
+    def __init__(self, app: Callable) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = 500
+
+        async def send_and_note_status(message: dict) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_note_status)
+        finally:
+            endpoint = scope["path"] if scope["path"] in _ENDPOINTS else "other"
+            request_metrics().record_request(endpoint, status)

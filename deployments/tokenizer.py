@@ -15,11 +15,13 @@ for the model to continue, e.g.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from ray import serve
 
 from deployments.engine import route_logs_to_serve
+from deployments.metrics import TokenizerMetrics
 from engine.loader import load_tokenizer
 
 
@@ -69,6 +71,7 @@ def apply_chat_template(messages: list[ChatMessage]) -> str:
 @serve.deployment(
     ray_actor_options={"num_cpus": 0.1},
     max_ongoing_requests=128,
+    max_queued_requests=512,  # past it the ingress's handle raises BackPressureError: a 429
     autoscaling_config={"min_replicas": 1, "initial_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 32},
     logging_config={"enable_access_log": False},
 )
@@ -77,14 +80,18 @@ class TokenizerDeployment:
         route_logs_to_serve("engine")
         self._tokenizer = load_tokenizer(model)
         self._vocab_size = len(self._tokenizer)
+        self._metrics = TokenizerMetrics()
         self.encode.set_max_batch_size(max_batch_size)
         self.encode.set_batch_wait_timeout_s(batch_wait_timeout_s)
 
     @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.0)
     async def encode(self, requests: list[EncodeRequest]) -> list[Encoded | EncodeError]:
+        started = time.perf_counter()
         texts = [r.text for r in requests if r.text is not None]
         encoded = iter(self._tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else ())
-        return [self._check(r, next(encoded) if r.text is not None else r.prompt) for r in requests]
+        results = [self._check(r, next(encoded) if r.text is not None else r.prompt) for r in requests]
+        self._metrics.record_batch(len(requests), time.perf_counter() - started)
+        return results
 
     def _check(self, request: EncodeRequest, token_ids: list[int] | None) -> Encoded | EncodeError:
         param, context = request.param, request.max_model_len

@@ -12,7 +12,7 @@ from engine.async_engine import AsyncEngine, GenerationChunk
 from engine.config import EngineConfig
 from engine.llm import LLM, CompletionOutput
 from engine.llm_engine import LLMEngine
-from engine.outputs import EngineDeadError, EngineStats, ModelInfo
+from engine.outputs import EngineDeadError, EngineOverloadedError, EngineStats, ModelInfo
 from engine.sampling_params import SamplingParams
 
 __all__ = [
@@ -21,6 +21,7 @@ __all__ = [
     "CompletionOutput",
     "EngineConfig",
     "EngineDeadError",
+    "EngineOverloadedError",
     "EngineStats",
     "GenerationChunk",
     "LLMEngine",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
 from typing import Literal
 
@@ -37,8 +37,11 @@ class EngineConfig:
     max_num_batched_tokens: int = 512  # prefill + decode tokens per step
     max_model_len: int | None = None  # defaults to the model's n_positions
     enable_prefix_caching: bool = True
+    # Overload bounds on requests admitted but not yet past their first token (queued or
+    # prefilling): past either, AsyncEngine.generate raises EngineOverloadedError at once.
+    max_waiting_requests: int | None = None
+    max_waiting_tokens: int | None = None
     num_threads: int | None = None  # torch CPU threads; None = every core this process may use
-    extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.weights not in ("auto", "pretrained", "random"):
@@ -52,6 +55,9 @@ class EngineConfig:
         _require_positive("max_num_batched_tokens", self.max_num_batched_tokens)
         if self.num_kv_blocks is not None:
             _require_positive("num_kv_blocks", self.num_kv_blocks)
+        for name in ("max_waiting_requests", "max_waiting_tokens"):
+            if getattr(self, name) is not None:
+                _require_positive(name, getattr(self, name))
         if self.kv_cache_memory_gb is not None and not self.kv_cache_memory_gb > 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
         if self.max_num_batched_tokens < self.max_num_seqs:

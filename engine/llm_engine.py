@@ -87,6 +87,16 @@ class LLMEngine:
         seq.finish_reason = "abort"
         return True
 
+    def warmup(self) -> None:
+        """Run one short request through prefill and decode, so the first real request
+        doesn't pay for kernel selection and allocator growth; counters are then reset."""
+        prompt = list(range(min(self.config.block_size - 1, 8) or 1))
+        self.add_request("__warmup__", prompt or [0], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+        while self.has_unfinished_requests():
+            self.step()
+        self._num_prompt_tokens = self._num_generated_tokens = 0
+        self.block_manager.num_prefix_queried_tokens = self.block_manager.num_prefix_hit_tokens = 0
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._seqs)
 

@@ -11,6 +11,17 @@ class EngineDeadError(RuntimeError):
     """The engine's step loop crashed; every in-flight and future request fails with this."""
 
 
+class EngineOverloadedError(RuntimeError):
+    """The engine's waiting bounds are full; retry after retry_after_s seconds."""
+
+    def __init__(self, message: str, retry_after_s: float):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+    def __reduce__(self):  # keep retry_after_s across Ray's pickling
+        return (type(self), (str(self), self.retry_after_s))
+
+
 @dataclass(frozen=True, slots=True)
 class StepOutput:
     """One request's result from one engine step: a new token, a finish, or both."""

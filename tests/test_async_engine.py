@@ -7,15 +7,20 @@ import threading
 
 import pytest
 
-from engine import LLM, AsyncEngine, EngineConfig, EngineDeadError, SamplingParams
+from engine import LLM, AsyncEngine, EngineConfig, EngineDeadError, EngineOverloadedError, SamplingParams
 from tests.engine_helpers import mixed_prompts
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
 
 
+def make_engine(model_dir, max_chunks_per_s: float | None = None, **config) -> AsyncEngine:
+    return AsyncEngine(EngineConfig(model=str(model_dir), weights="pretrained", dtype="float32", device="cpu", **config),
+                       max_chunks_per_s=max_chunks_per_s)
+
+
 @pytest.fixture
 def engine(tiny_gpt2_dir):
-    engine = AsyncEngine(EngineConfig(model=str(tiny_gpt2_dir), weights="pretrained", dtype="float32", device="cpu"))
+    engine = make_engine(tiny_gpt2_dir)
     yield engine
     engine.shutdown()
     assert not engine._thread.is_alive()
@@ -72,7 +77,7 @@ def test_first_and_last_chunks_carry_timings(engine):
 def test_step_outputs_reach_asyncio_once_per_step(engine):
     calls = []
     original = engine._deliver
-    engine._deliver = lambda outputs: (calls.append(len(outputs)), original(outputs))
+    engine._deliver = lambda outputs, steps_per_s: (calls.append(len(outputs)), original(outputs, steps_per_s))
 
     async def main():
         return await asyncio.gather(*(collect(engine, f"r{i}", [i + 1]) for i in range(6)))
@@ -148,3 +153,41 @@ def test_idle_loop_sleeps_instead_of_polling(engine):
     assert checks == []  # a polling loop would look for work again and again
     asyncio.run(collect(engine, "wake", [2]))  # and a new request still wakes it
     assert checks
+
+
+def test_under_a_chunk_rate_budget_many_streams_get_multi_token_chunks_but_the_first_token_at_once(tiny_gpt2_dir):
+    engine = make_engine(tiny_gpt2_dir, max_chunks_per_s=50)
+    try:
+        async def main():
+            return await asyncio.gather(*(collect(engine, f"r{i}", [i + 1]) for i in range(16)))
+
+        results = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    for chunks, tokens in results:
+        assert len(tokens) == 20
+        assert len(chunks[0].token_ids) == 1  # TTFT is never traded for fewer chunks
+    total_chunks = sum(len(chunks) for chunks, _ in results)
+    assert total_chunks < 16 * 20 / 2
+
+
+def test_requests_beyond_the_waiting_bound_are_refused_at_once(tiny_gpt2_dir):
+    engine = make_engine(tiny_gpt2_dir, max_waiting_requests=2)
+    try:
+        async def main():
+            params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+            streams = [engine.generate(f"q{i}", [1, 2, 3], params) for i in range(3)]
+            first = [asyncio.ensure_future(s.__anext__()) for s in streams[:2]]
+            await asyncio.sleep(0)  # both admitted, neither has a token yet
+            with pytest.raises(EngineOverloadedError) as refused:
+                await streams[2].__anext__()
+            assert refused.value.retry_after_s >= 1
+            await asyncio.gather(*first)
+            for s in streams[:2]:
+                async for _ in s:
+                    pass
+            return [t async for c in engine.generate("later", [4], params) for t in c.token_ids]
+
+        assert len(asyncio.run(main())) == 3  # once the queue drains, requests are admitted again
+    finally:
+        engine.shutdown()

@@ -60,8 +60,8 @@ def base_url(tiny_gpt2_dir: Path) -> Iterator[str]:
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app({"model": str(tiny_gpt2_dir), "dtype": "float32", "engine": ENGINE_ARGS,
-                             "tokenizer_num_replicas": 2}), name=APP, route_prefix="/")
+        serve.run(build_app({"model": str(tiny_gpt2_dir), "served_model_name": "tiny", "dtype": "float32",
+                             "engine": ENGINE_ARGS, "tokenizer_num_replicas": 2}), name=APP, route_prefix="/")
         # gcs_server and raylet are our children; every worker is the raylet's.
         ray_pids = [p.pid for p in psutil.Process().children(recursive=True)]
         yield f"http://127.0.0.1:{port}"
@@ -317,7 +317,8 @@ def test_n_choices_run_as_separate_engine_requests(client: httpx.Client) -> None
 
 def test_models_and_health_report_the_engine(client: httpx.Client, tiny_gpt2_dir: Path) -> None:
     card = client.get("/v1/models").json()["data"][0]
-    assert (card["id"], card["weights"], card["max_model_len"]) == (str(tiny_gpt2_dir), "pretrained", 1024)
+    assert (card["id"], card["root"], card["weights"]) == ("tiny", str(tiny_gpt2_dir), "pretrained")
+    assert card["max_model_len"] == 1024
     health = engine_health(client)
     assert health["status"] == "ok"
     assert health["stats"]["num_kv_blocks_total"] == ENGINE_ARGS["num_kv_blocks"]

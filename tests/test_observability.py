@@ -1,0 +1,105 @@
+"""What an operator watches: our metrics on Ray's Prometheus export after real traffic, and a
+headless locust run against the real app (zero failures, TTFT reported)."""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+import ray
+from ray import serve
+
+from deployments.app import build_app
+from loadtest.headless import run_locust
+from tests.test_serve_api import free_port, wait_for_exit
+
+pytestmark = pytest.mark.serve
+
+NUM_KV_BLOCKS = 48
+
+
+@pytest.fixture(scope="module")
+def server(tiny_gpt2_dir: Path) -> Iterator[tuple[str, str]]:
+    """(API base URL, metrics export URL) of a Serve app on a fresh local Ray."""
+    port, metrics_port = free_port(), free_port()
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+             _metrics_export_port=metrics_port, _system_config={"metrics_report_interval_ms": 500})
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_app({"model": str(tiny_gpt2_dir), "served_model_name": "tiny", "dtype": "float32",
+                             "engine": {"num_kv_blocks": NUM_KV_BLOCKS}}), name="rayinfer", route_prefix="/")
+        ray_pids = [p.pid for p in psutil.Process().children(recursive=True)]
+        yield f"http://127.0.0.1:{port}", f"http://127.0.0.1:{metrics_port}/metrics"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    assert wait_for_exit(ray_pids) == [], "Ray processes outlived ray.shutdown()"
+
+
+def test_locust_smoke_run_has_no_failures_and_reports_ttft(server, tmp_path):
+    base_url, _ = server
+    run = run_locust(base_url, tmp_path / "locust", users=4, spawn_rate=4, run_time="8s",
+                     extra_args=("--prompt-tokens", "8", "--max-tokens", "8", "--model", "tiny",
+                                 "--endpoint-weights", "completions=3,generate=1"))
+    assert run.returncode == 0, run.output[-2000:]
+    assert run.num_failures == 0, run.output[-2000:]
+    ttft = run.entries[("METRIC", "ttft")]
+    assert ttft.num_requests > 0 and ttft.median_ms > 0
+    assert run.entries[("METRIC", "tpot")].num_requests > 0
+
+
+def sample(text: str, name: str, **labels: str) -> float | None:
+    """The value of one Prometheus sample, summed over series matching the labels."""
+    values = []
+    for line in text.splitlines():
+        match = re.match(rf"^{name}(?:{{(.*)}})? (\S+)$", line)
+        if match and all(f'{k}="{v}"' in (match.group(1) or "") for k, v in labels.items()):
+            values.append(float(match.group(2)))
+    return sum(values) if values else None
+
+
+def scrape_until(url: str, expectations: dict, timeout_s: float = 30) -> None:
+    """Poll the export until every expectation (a predicate on one sample) holds: Ray
+    reports each replica's metrics every 0.5 s here, so values arrive a little late."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text = httpx.get(url, timeout=5).text
+        failing = {key: sample(text, key[0], **dict(key[1:])) for key, check in expectations.items()
+                   if (value := sample(text, key[0], **dict(key[1:]))) is None or not check(value)}
+        if not failing:
+            return
+        assert time.monotonic() < deadline, f"metrics not as expected: {failing}"
+        time.sleep(0.5)
+
+
+def test_metrics_reach_rays_prometheus_export_with_sensible_values(server):
+    base_url, metrics_url = server
+    with httpx.Client(base_url=base_url, timeout=60) as client:
+        for _ in range(3):
+            body = {"model": "tiny", "prompt": "Hello there", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+            assert client.post("/v1/completions", json=body).status_code == 200
+        assert client.post("/v1/completions", json={"model": "tiny", "prompt": ""}).status_code == 400
+    at_least = lambda n: lambda v: v >= n  # noqa: E731
+    scrape_until(metrics_url, {
+        ("ray_rayinfer_requests_total", ("endpoint", "/v1/completions"), ("status", "200")): at_least(3),
+        ("ray_rayinfer_requests_total", ("endpoint", "/v1/completions"), ("status", "400")): at_least(1),
+        ("ray_rayinfer_completion_tokens_total",): at_least(18),
+        ("ray_rayinfer_prompt_tokens_total",): at_least(6),
+        ("ray_rayinfer_ttft_seconds_count",): at_least(3),
+        ("ray_rayinfer_ttft_seconds_sum",): lambda v: 0 < v < 60,
+        ("ray_rayinfer_tpot_seconds_count",): at_least(3),
+        ("ray_rayinfer_e2e_seconds_count",): at_least(3),
+        ("ray_rayinfer_queue_wait_seconds_count",): at_least(3),
+        ("ray_rayinfer_running_requests",): lambda v: v >= 0,
+        ("ray_rayinfer_waiting_requests",): lambda v: v >= 0,
+        ("ray_rayinfer_kv_blocks_total",): lambda v: v == NUM_KV_BLOCKS,
+        ("ray_rayinfer_kv_cache_usage",): lambda v: 0 <= v <= 1,
+        ("ray_rayinfer_prefix_cache_hit_rate",): lambda v: 0 <= v <= 1,
+        ("ray_rayinfer_tokenizer_batch_size_count",): at_least(4),
+        ("ray_rayinfer_tokenizer_latency_seconds_count",): at_least(4),
+    })
