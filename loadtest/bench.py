@@ -380,7 +380,7 @@ def _cell(result: BenchResult, key: str) -> str:
     if key.startswith("server:"):
         return _ms(result.server_timing_ms[key.removeprefix("server:")].p50)
     value = getattr(result, key)
-    if isinstance(value, Summary):
+    if hasattr(value, "p50"):  # a Summary (duck-typed: `-m loadtest.bench` runs as __main__)
         return " / ".join(_ms(v) for v in (value.p50, value.p95, value.p99))
     return f"{value:.2f}"
 
@@ -438,6 +438,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--compare-model", default=None)
     parser.add_argument("--compare-api", choices=["completions", "chat"], default="completions")
     parser.add_argument("--compare-ignore-eos", action="store_true")
+    parser.add_argument("--offline-model", default=None,
+                        help="also run the workload on an in-process engine (random weights), e.g. gpt2")
+    parser.add_argument("--offline-dtype", default="bfloat16")
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--concurrency", type=int, default=None, help="requests in flight (default 8 without a rate)")
     parser.add_argument("--request-rate", type=float, default=None, help="open loop: requests per second")
@@ -491,6 +494,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"wrote {out / 'bench.json'}, {out / 'bench.md'}, {out / 'sweep.png'}", file=sys.stderr)
     else:
         results = [run_benchmark(BenchConfig(t, workload, not args.no_progress)) for t in targets]
+        if args.offline_model:
+            from loadtest.offline import OfflineTarget, run_offline
+
+            results.append(run_offline(OfflineTarget(args.offline_model, dtype=args.offline_dtype), workload))
         table = side_by_side_table(results)
         if args.out:
             write_outputs(args.out, workload, results, table)
