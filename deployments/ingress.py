@@ -1,7 +1,8 @@
 """HTTP ingress: the OpenAI-compatible API and /generate, as a thin shim over two handles.
 
-A request's life here: validate the body (pydantic) -> tokenizer.encode (ids, length
-checks) -> engine.generate streams (one per choice) -> detokenize incrementally, match
+A request's life here: check the API key -> read the body, at most max_body_bytes ->
+validate it (deployments/protocol.py) -> tokenizer.encode (ids, length checks) ->
+engine.generate streams (one per choice) -> detokenize incrementally, match
 stop strings -> SSE, JSON or plain text. Errors before the first token are HTTP errors in
 OpenAI's shape; after the stream has started, a final SSE error event and `[DONE]`.
 
