@@ -18,6 +18,7 @@ from transformers import GPT2LMHeadModel
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine, build_model
 from engine.loader import resolve_model
+from engine.models.gpt2 import CONV1D_WEIGHTS, hf_to_own_name
 from engine.sampling_params import SamplingParams
 
 
@@ -66,11 +67,11 @@ def hf_model(config: EngineConfig, engine: LLMEngine) -> GPT2LMHeadModel:
     model = GPT2LMHeadModel(source.config).eval()
     ours = engine.runner.model.state_dict()
     for name, param in model.transformer.state_dict().items():
-        if name.endswith((".attn.bias", ".attn.masked_bias")):
+        own = hf_to_own_name(name)
+        if own is None:  # buffers
             continue
-        own = _own_name(name)
         value = ours[own].float()
-        param.copy_(value.t() if _is_conv1d(name) else value)
+        param.copy_(value.t() if name.endswith(CONV1D_WEIGHTS) else value)
     return model.to(config.torch_dtype)
 
 
@@ -82,18 +83,6 @@ def run_hf(model: GPT2LMHeadModel, prompts: list[list[int]], max_tokens: int) ->
                              min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
     num_tokens = (out.shape[1] - input_ids.shape[1]) * out.shape[0]
     return Result("HF generate (static batch)", num_tokens, time.perf_counter() - start)
-
-
-def _own_name(hf_name: str) -> str:
-    from engine.models.gpt2 import _own_name as own_name
-
-    return own_name(hf_name)
-
-
-def _is_conv1d(name: str) -> bool:
-    from engine.models.gpt2 import _CONV1D_WEIGHTS
-
-    return name.endswith(_CONV1D_WEIGHTS)
 
 
 def main() -> None:

@@ -13,7 +13,7 @@ from transformers import GPT2Config
 
 from engine.attention import AttentionMetadata, paged_attention
 
-_CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
 
 class GPT2Block(nn.Module):
@@ -68,10 +68,10 @@ class GPT2LMHead(nn.Module):
         own = self.state_dict()
         loaded = set()
         for name, tensor in state_dict.items():
-            key = _own_name(name.removeprefix("transformer."))
+            key = hf_to_own_name(name.removeprefix("transformer."))
             if key is None:
                 continue
-            if any(name.endswith(suffix) for suffix in _CONV1D_WEIGHTS):
+            if any(name.endswith(suffix) for suffix in CONV1D_WEIGHTS):
                 tensor = tensor.t()
             if own[key].shape != tensor.shape:
                 raise ValueError(f"weight {name}: shape {tuple(tensor.shape)} != expected {tuple(own[key].shape)}")
@@ -98,7 +98,7 @@ class GPT2LMHead(nn.Module):
 _RENAMES = {"attn.c_attn": "attn_qkv", "attn.c_proj": "attn_out", "mlp.c_fc": "mlp_fc", "mlp.c_proj": "mlp_proj"}
 
 
-def _own_name(hf_name: str) -> str | None:
+def hf_to_own_name(hf_name: str) -> str | None:
     """Map an HF GPT-2 weight name to ours; None for buffers and the tied lm_head."""
     if hf_name.endswith((".attn.bias", ".attn.masked_bias")) or hf_name.startswith("lm_head"):
         return None
