@@ -21,7 +21,7 @@ import yaml
 from ray.dashboard.consts import DASHBOARD_METRIC_PORT
 
 from loadtest.chaos import ChaosConfig, check_loopback, run_chaos, summary
-from test_serve_api import free_port, wait_for_exit
+from tests.serve_helpers import free_port, wait_for_exit
 from test_serve_run import READY_TIMEOUT_S, ROOT, serve_executable
 
 pytestmark = pytest.mark.serve

@@ -9,14 +9,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-import psutil
 import pytest
-import ray
-from ray import serve
 
 from deployments.app import build_app
 from loadtest.headless import run_locust
-from tests.test_serve_api import free_port, wait_for_exit
+from tests.serve_helpers import free_port, running_app
 
 pytestmark = pytest.mark.serve
 
@@ -26,19 +23,12 @@ NUM_KV_BLOCKS = 48
 @pytest.fixture(scope="module")
 def server(tiny_gpt2_dir: Path) -> Iterator[tuple[str, str]]:
     """(API base URL, metrics export URL) of a Serve app on a fresh local Ray."""
-    port, metrics_port = free_port(), free_port()
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-             _metrics_export_port=metrics_port, _system_config={"metrics_report_interval_ms": 500})
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app({"model": str(tiny_gpt2_dir), "served_model_name": "tiny", "dtype": "float32",
-                             "engine": {"num_kv_blocks": NUM_KV_BLOCKS}}), name="rayinfer", route_prefix="/")
-        ray_pids = [p.pid for p in psutil.Process().children(recursive=True)]
-        yield f"http://127.0.0.1:{port}", f"http://127.0.0.1:{metrics_port}/metrics"
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-    assert wait_for_exit(ray_pids) == [], "Ray processes outlived ray.shutdown()"
+    metrics_port = free_port()
+    app = build_app({"model": str(tiny_gpt2_dir), "served_model_name": "tiny", "dtype": "float32",
+                     "engine": {"num_kv_blocks": NUM_KV_BLOCKS}})
+    with running_app(app, _metrics_export_port=metrics_port,
+                     _system_config={"metrics_report_interval_ms": 500}) as url:
+        yield url, f"http://127.0.0.1:{metrics_port}/metrics"
 
 
 def test_locust_smoke_run_has_no_failures_and_reports_ttft(server, tmp_path):

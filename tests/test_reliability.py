@@ -16,14 +16,13 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import httpx
-import psutil
 import pytest
 import ray
 from ray import serve
 
 from deployments.app import make_app
 from engine import LLM, SamplingParams
-from test_serve_api import free_port, wait_for_exit  # tests/ is on sys.path (rootless test modules)
+from tests.serve_helpers import running_app
 
 pytestmark = pytest.mark.serve
 
@@ -54,19 +53,10 @@ def app_args(model_dir: Path, **overrides) -> dict:
 
 @pytest.fixture(scope="module")
 def base_url(tiny_gpt2_dir: Path) -> Iterator[str]:
-    port = free_port()
     with pytest.MonkeyPatch.context() as env:
         env.setenv("RAYINFER_ENABLE_FAULT_INJECTION", "1")  # inherited by every Ray worker
-        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(make_app(app_args(tiny_gpt2_dir), DEPLOYMENT_OPTIONS), name=APP, route_prefix="/")
-        ray_pids = [p.pid for p in psutil.Process().children(recursive=True)]
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-    assert wait_for_exit(ray_pids) == [], "Ray processes outlived ray.shutdown()"
+        with running_app(make_app(app_args(tiny_gpt2_dir), DEPLOYMENT_OPTIONS), APP) as url:
+            yield url
 
 
 @pytest.fixture(scope="module")

@@ -5,22 +5,20 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import openai
-import psutil
 import pytest
-import ray
 from ray import serve
 
 from deployments import app as app_module
 from deployments.app import build_app
 from deployments.tokenizer import Encoded, EncodeRequest
 from engine import LLM, SamplingParams
+from tests.serve_helpers import running_app
 
 pytestmark = pytest.mark.serve
 
@@ -31,44 +29,12 @@ ENGINE_ARGS = {"num_kv_blocks": 48, "max_num_seqs": 32, "max_num_batched_tokens"
 PROMPTS = ["Hello, my name is", "The capital of France is", "def fibonacci(n):"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def is_running(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
-def wait_for_exit(pids: list[int], timeout_s: float = 20) -> list[int]:
-    """The pids still running after timeout_s."""
-    deadline = time.monotonic() + timeout_s
-    alive = [p for p in pids if is_running(p)]
-    while alive and time.monotonic() < deadline:
-        time.sleep(0.2)
-        alive = [p for p in alive if is_running(p)]
-    return alive
-
-
 @pytest.fixture(scope="module")
 def base_url(tiny_gpt2_dir: Path) -> Iterator[str]:
-    port = free_port()
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app({"model": str(tiny_gpt2_dir), "served_model_name": "tiny", "dtype": "float32",
-                             "engine": ENGINE_ARGS, "tokenizer_num_replicas": 2}), name=APP, route_prefix="/")
-        # gcs_server and raylet are our children; every worker is the raylet's.
-        ray_pids = [p.pid for p in psutil.Process().children(recursive=True)]
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-    assert wait_for_exit(ray_pids) == [], "Ray processes outlived ray.shutdown()"
+    app = build_app({"model": str(tiny_gpt2_dir), "served_model_name": "tiny", "dtype": "float32",
+                     "engine": ENGINE_ARGS, "tokenizer_num_replicas": 2})
+    with running_app(app, APP) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ import psutil
 import pytest
 import yaml
 
-from test_serve_api import free_port, wait_for_exit  # tests/ is on sys.path (rootless test modules)
+from tests.serve_helpers import free_port, wait_for_exit
 
 pytestmark = pytest.mark.serve
 
