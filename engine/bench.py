@@ -61,17 +61,16 @@ def decode_ms_per_token(engine: LLMEngine, prompt: list[int], max_tokens: int) -
     return (time.perf_counter() - start) / steps * 1000
 
 
-def hf_model(config: EngineConfig, engine: LLMEngine) -> GPT2LMHeadModel:
-    """HF's GPT-2 with the same weights as the engine's model."""
+def hf_model(config: EngineConfig) -> GPT2LMHeadModel:
+    """HF's GPT-2 with the same weights as the engine's model: the same random init, unpacked."""
     source = resolve_model(config.model, "random")
+    ours = build_model(source, torch.float32, torch.device("cpu"), config.seed).state_dict()
     model = GPT2LMHeadModel(source.config).eval()
-    ours = engine.runner.model.state_dict()
     for name, param in model.transformer.state_dict().items():
         own = hf_to_own_name(name)
         if own is None:  # buffers
             continue
-        value = ours[own].float()
-        param.copy_(value.t() if name.endswith(CONV1D_WEIGHTS) else value)
+        param.copy_(ours[own].t() if name.endswith(CONV1D_WEIGHTS) else ours[own])
     return model.to(config.torch_dtype)
 
 
@@ -105,7 +104,7 @@ def main() -> None:
     results = [run_engine(engine, prompts, args.max_tokens)]
     single = decode_ms_per_token(engine, prompts[0], args.max_tokens)
     if not args.skip_hf:
-        model = hf_model(config, engine).to(config.torch_device)
+        model = hf_model(config).to(config.torch_device)
         run_hf(model, prompts[:4], 4)  # warm-up
         results.append(run_hf(model, prompts, args.max_tokens))
     for r in results:

@@ -12,6 +12,7 @@ from engine.config import EngineConfig
 from engine.loader import ModelSource, load_state_dict, resolve_model
 from engine.model_runner import ModelRunner
 from engine.models.gpt2 import GPT2LMHead
+from engine.packed_linear import can_pack
 from engine.outputs import EngineStats, ModelInfo, StepOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
@@ -178,4 +179,7 @@ def build_model(source: ModelSource, dtype: torch.dtype, device: torch.device, s
         model.load_hf_weights(load_state_dict(source.weight_files))
     else:
         model.init_random(seed)
-    return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    if can_pack(device, dtype):
+        model.pack_linears()
+    return model

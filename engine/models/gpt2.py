@@ -12,6 +12,7 @@ from torch import nn
 from transformers import GPT2Config
 
 from engine.attention import AttentionMetadata, paged_attention
+from engine.packed_linear import PackedLinear, pack_linears
 
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
@@ -46,6 +47,7 @@ class GPT2LMHead(nn.Module):
         self.wpe = nn.Embedding(config.n_positions, config.n_embd)
         self.h = nn.ModuleList(GPT2Block(config) for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.lm_head: PackedLinear | None = None  # tied to wte; a packed copy after pack_linears()
 
     @torch.inference_mode()
     def forward(
@@ -61,7 +63,16 @@ class GPT2LMHead(nn.Module):
         for block, kv_cache in zip(self.h, kv_caches):
             h = block(h, kv_cache, meta)
         h = self.ln_f(h[logits_indices])
-        return F.linear(h, self.wte.weight).float()  # the LM head is tied to wte
+        logits = F.linear(h, self.wte.weight) if self.lm_head is None else self.lm_head(h)
+        return logits.float()
+
+    def pack_linears(self) -> None:
+        """Prepack the projections and the LM head for oneDNN (bf16 on CPU, see
+        engine/packed_linear.py). Call after the weights are loaded: the state dict then no
+        longer holds the projections."""
+        for block in self.h:
+            pack_linears(block)
+        self.lm_head = PackedLinear(self.wte.weight, None)
 
     @torch.no_grad()
     def load_hf_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
