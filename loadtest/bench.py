@@ -63,6 +63,7 @@ class Workload:
     num_requests: int = 64
     prompt_tokens: int = 128
     max_tokens: int = 64
+    temperature: float = 1.0  # sent with every request (OpenAI's default); 0 is greedy
     concurrency: int | None = 8
     request_rate: float | None = None
     arrival: Arrival = "poisson"
@@ -157,9 +158,10 @@ def arrival_gaps(count: int, rate: float, arrival: Arrival, rng: random.Random) 
 # ---- one request ----
 
 
-def request_body(target: Target, prompt: str, max_tokens: int) -> dict[str, Any]:
+def request_body(target: Target, prompt: str, workload: Workload) -> dict[str, Any]:
     body: dict[str, Any] = {
-        "max_tokens": max_tokens,
+        "max_tokens": workload.max_tokens,
+        "temperature": workload.temperature,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
@@ -174,10 +176,10 @@ def request_body(target: Target, prompt: str, max_tokens: int) -> dict[str, Any]
     return body
 
 
-async def send_request(client: httpx.AsyncClient, target: Target, prompt: str, max_tokens: int) -> StreamRecord:
+async def send_request(client: httpx.AsyncClient, target: Target, prompt: str, workload: Workload) -> StreamRecord:
     record = StreamRecord(start=time.perf_counter(), api=target.api)
     try:
-        async with client.stream("POST", target.endpoint, json=request_body(target, prompt, max_tokens)) as response:
+        async with client.stream("POST", target.endpoint, json=request_body(target, prompt, workload)) as response:
             if response.status_code != 200:
                 body = (await response.aread()).decode("utf-8", "replace")
                 record.fail(f"HTTP {response.status_code}: {body[:300]}")
@@ -245,7 +247,7 @@ async def _send_all(
 
     async def one(prompt: str) -> StreamRecord:
         async with bound if bound is not None else contextlib.nullcontext():
-            record = await send_request(client, config.target, prompt, workload.max_tokens)
+            record = await send_request(client, config.target, prompt, workload)
         if progress is not None:
             progress.update(1)
         return record
@@ -447,6 +449,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--arrival", choices=["fixed", "poisson"], default="poisson")
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=1.0,
+                        help="sent with every request, and used by --offline-model too (0: greedy)")
     parser.add_argument("--warmup", type=int, default=1, help="requests sent and discarded before measuring")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
@@ -473,6 +477,7 @@ def workload_from_args(args: argparse.Namespace) -> Workload:
         num_requests=args.num_requests,
         prompt_tokens=args.prompt_tokens,
         max_tokens=args.max_tokens,
+        temperature=args.temperature,
         concurrency=concurrency,
         request_rate=args.request_rate,
         arrival=args.arrival,

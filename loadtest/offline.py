@@ -36,7 +36,7 @@ def run_offline(target: OfflineTarget, workload: Workload) -> BenchResult:
 async def _benchmark(engine: AsyncEngine, target: OfflineTarget, workload: Workload) -> BenchResult:
     tokenizer = load_tokenizer(target.model)
     encode = lambda prompts: [tokenizer.encode(p) for p in prompts]  # noqa: E731
-    params = SamplingParams(max_tokens=workload.max_tokens, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=workload.max_tokens, temperature=workload.temperature, ignore_eos=True)
     bound = asyncio.Semaphore(workload.concurrency or workload.num_requests)
     await asyncio.gather(*(_one(engine, ids, params, bound) for ids in encode(workload.prompts(workload.warmup, workload.seed + 1))))
     prompts = encode(workload.prompts(workload.num_requests, workload.seed))

@@ -347,9 +347,11 @@ def test_run_benchmark_is_callable_from_code(fake_url: str) -> None:
 
 
 def test_request_body_sends_model_and_ignore_eos_only_when_asked() -> None:
-    plain = bench.request_body(bench.Target("http://x", "x"), " hi", 4)
-    assert plain == {"max_tokens": 4, "stream": True, "stream_options": {"include_usage": True}, "prompt": " hi"}
-    extended = bench.request_body(bench.Target("http://x", "x", model="gpt2", ignore_eos=True), " hi", 4)
+    workload = bench.Workload(max_tokens=4, temperature=0.5)
+    plain = bench.request_body(bench.Target("http://x", "x"), " hi", workload)
+    assert plain == {"max_tokens": 4, "temperature": 0.5, "stream": True,
+                     "stream_options": {"include_usage": True}, "prompt": " hi"}
+    extended = bench.request_body(bench.Target("http://x", "x", model="gpt2", ignore_eos=True), " hi", workload)
     assert (extended["model"], extended["ignore_eos"]) == ("gpt2", True)
 
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 from engine import LLM, SamplingParams
+from engine.sampler import Sampler, SamplingBatch
 from tests.engine_helpers import mixed_prompts
 
 
@@ -120,3 +122,27 @@ def test_request_larger_than_the_block_pool_is_rejected_at_add(tiny_gpt2_dir):
 def test_empty_or_out_of_vocabulary_prompts_are_rejected(llm, prompt):
     with pytest.raises(ValueError, match="prompt"):
         llm.generate([prompt], SamplingParams())
+
+
+def _sample_many(logits: list[float], num: int, **params) -> torch.Tensor:
+    sampler = Sampler(seed=0, device=torch.device("cpu"))
+    batch = SamplingBatch.from_params([SamplingParams(**params)] * num, [None] * num, len(logits), torch.device("cpu"))
+    return sampler(torch.tensor([logits] * num), batch)
+
+
+def test_sampled_tokens_follow_the_softmax_distribution():
+    logits = [2.0, 1.0, 0.0, -1.0, 0.5]
+    tokens = _sample_many(logits, 40_000, temperature=0.7)
+    expected = torch.softmax(torch.tensor(logits) / 0.7, dim=-1)
+    observed = torch.bincount(tokens, minlength=len(logits)).float() / len(tokens)
+    # 4 standard deviations of a frequency over 40k draws: < 0.01 for every token.
+    assert torch.allclose(observed, expected, atol=0.01), (observed, expected)
+
+
+def test_top_k_and_top_p_never_sample_outside_their_set():
+    logits = [3.0, 2.9, 2.8, -5.0, 0.0, 1.0]
+    top_k = torch.bincount(_sample_many(logits, 5000, temperature=1.0, top_k=2), minlength=6)
+    assert top_k[:2].min() > 0 and top_k[2:].sum() == 0
+    # softmax mass: tokens 0, 1 ~0.65, tokens 0, 1, 2 ~0.94: top_p 0.8 keeps exactly those three.
+    top_p = torch.bincount(_sample_many(logits, 5000, temperature=1.0, top_p=0.8), minlength=6)
+    assert top_p[:3].min() > 0 and top_p[3:].sum() == 0
