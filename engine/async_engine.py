@@ -31,6 +31,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
+from engine.heap import trim_heap
 from engine.llm_engine import LLMEngine
 from engine.outputs import EngineDeadError, EngineOverloadedError, EngineStats, ModelInfo, StepOutput
 from engine.sampling_params import SamplingParams
@@ -38,6 +39,7 @@ from engine.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 _STEP_RATE_SMOOTHING = 0.1  # weight of the newest step in the steps/s moving average
+_TRIM_AFTER_IDLE_S = 2.0  # an idle step loop hands freed heap pages back once (engine/heap.py)
 
 
 @dataclass(frozen=True)
@@ -102,6 +104,7 @@ class AsyncEngine:
         self._error: EngineDeadError | None = None
         self._stopping = False
         self._steps_per_s = 0.0
+        self._heap_trimmed = False
         self._ready = threading.Event()
         self._init_error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="rayinfer-step-loop", daemon=True)
@@ -241,9 +244,15 @@ class AsyncEngine:
             loop.call_soon_threadsafe(self._deliver, batch, self._steps_per_s)
 
     def _wait_for_work(self) -> bool:
-        """Apply queued commands; sleep while there is nothing to step. False = stop."""
+        """Apply queued commands; sleep while there is nothing to step. False = stop.
+
+        The one timed wait: after _TRIM_AFTER_IDLE_S with no work the heap is trimmed,
+        once; the loop then sleeps until woken."""
         while True:
-            self._wake.wait()
+            if not self._wake.wait(None if self._heap_trimmed else _TRIM_AFTER_IDLE_S):
+                trim_heap()
+                self._heap_trimmed = True
+                continue
             with self._lock:
                 commands, self._inbox = self._inbox, []
                 if self._stopping:
@@ -253,6 +262,7 @@ class AsyncEngine:
                     continue
             self._apply(commands)
             if self.engine.has_unfinished_requests():
+                self._heap_trimmed = False
                 return True
             self._stats = self.engine.stats()
 

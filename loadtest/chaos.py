@@ -12,7 +12,7 @@ engine: each must be served or refused with 429 and a Retry-After, never fail.
 Then, once the server is idle, it passes when: no valid request got a 5xx or a broken
 stream, every bad input got its status, no KV block is still in use (free = total), no
 request is stuck in the engine (running = waiting = 0), and memory is flat: the engine
-replica's RSS (from /health, read at idle after the warm-up, half-way and at the end) grew
+replica's RSS (from /health, read 3 s into idle after the warm-up, half-way and at the end) grew
 less than `--max-rss-growth-mb` over the second half. The first half may still raise the
 allocator's high-water mark (new batch shapes); a leak grows in both. It prints a summary,
 writes `chaos.json` under `--out`, and exits 1 when it fails. It only talks to 127.0.0.1.
@@ -304,6 +304,9 @@ async def engine_health(client: Client) -> dict:
         return {"status": f"unreachable: {type(exc).__name__}"}
 
 
+RSS_SETTLE_S = 3.0
+
+
 async def wait_until_idle(client: Client, timeout_s: float = 60) -> dict:
     """/health once the engine is idle with every KV block free, or as it is at the timeout."""
     deadline = time.monotonic() + timeout_s
@@ -319,6 +322,14 @@ async def wait_until_idle(client: Client, timeout_s: float = 60) -> dict:
         await asyncio.sleep(0.25)
 
 
+async def rss_at_rest(client: Client) -> dict:
+    """/health after the engine has been idle long enough to trim its heap (engine/heap.py:
+    freed pages go back to the OS after 2 s idle), so RSS counts live memory only."""
+    await wait_until_idle(client)
+    await asyncio.sleep(RSS_SETTLE_S)
+    return await wait_until_idle(client)
+
+
 async def run_chaos(config: ChaosConfig) -> dict:
     check_loopback(config.url)
     rng = random.Random(config.seed)
@@ -326,12 +337,12 @@ async def run_chaos(config: ChaosConfig) -> dict:
     async with make_http(config) as http:
         client = Client(config, rng, http)
         await warm_up(client, tally, time.monotonic() + config.warmup_s)
-        rss = [(await wait_until_idle(client))["engine_rss_bytes"]]
+        rss = [(await rss_at_rest(client))["engine_rss_bytes"]]
         # Two halves, RSS read at idle after each: a leak grows in both, while an allocator
         # still reaching its high-water mark grows in the first only.
         for _ in range(2):
             await chaos_phase(config, rng, http, tally, time.monotonic() + config.duration_s / 2, budget)
-            idle = await wait_until_idle(client)
+            idle = await rss_at_rest(client)
             rss.append(idle["engine_rss_bytes"])
     return verdict(config, tally, idle, rss, time.monotonic() - started)
 

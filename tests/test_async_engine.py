@@ -8,6 +8,7 @@ import threading
 import pytest
 
 from engine import LLM, AsyncEngine, EngineConfig, EngineDeadError, EngineOverloadedError, SamplingParams
+from engine import async_engine, heap
 from tests.engine_helpers import mixed_prompts
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
@@ -189,5 +190,30 @@ def test_requests_beyond_the_waiting_bound_are_refused_at_once(tiny_gpt2_dir):
             return [t async for c in engine.generate("later", [4], params) for t in c.token_ids]
 
         assert len(asyncio.run(main())) == 3  # once the queue drains, requests are admitted again
+    finally:
+        engine.shutdown()
+
+
+def test_heap_trim_returns_free_pages_on_this_platform():
+    assert heap.trim_heap() is True  # Linux/glibc, where the engine replica runs
+
+
+def test_idle_step_loop_trims_the_heap_once_per_idle_period(tiny_gpt2_dir, monkeypatch):
+    trims = []
+    real_trim = async_engine.trim_heap
+    monkeypatch.setattr(async_engine, "_TRIM_AFTER_IDLE_S", 0.2)
+    monkeypatch.setattr(async_engine, "trim_heap", lambda: trims.append(1) or real_trim())
+    engine = make_engine(tiny_gpt2_dir)
+    try:
+        async def run() -> None:
+            await wait_until(lambda: len(trims) == 1)  # idle after warm-up: one trim
+            await asyncio.sleep(0.6)
+            assert len(trims) == 1, "an idle loop trims once, then sleeps until woken"
+            await collect(engine, "a", [1, 2, 3])
+            await wait_until(lambda: len(trims) == 2)  # the next idle period: one more
+            await asyncio.sleep(0.6)
+            assert len(trims) == 2
+
+        asyncio.run(run())
     finally:
         engine.shutdown()
