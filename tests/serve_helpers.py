@@ -3,13 +3,23 @@
 from __future__ import annotations
 
 import contextlib
+import shutil
+import signal
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
+import httpx
 import psutil
+import pytest
 import ray
 from ray import serve
+
+ROOT = Path(__file__).resolve().parents[1]
+READY_TIMEOUT_S = 180
 
 
 def free_port() -> int:
@@ -51,3 +61,63 @@ def running_app(app: serve.Application, name: str = "rayinfer", **ray_init_kwarg
         serve.shutdown()
         ray.shutdown()
     assert wait_for_exit(ray_pids) == [], "Ray processes outlived ray.shutdown()"
+
+
+def serve_executable() -> str:
+    beside_python = Path(sys.executable).with_name("serve")
+    return str(beside_python) if beside_python.exists() else shutil.which("serve")
+
+
+class ServeRun:
+    """`serve run --address local CONFIG` in a subprocess, as a user starts it; --address
+    local: our own cluster, never one another process on this machine started."""
+
+    def __init__(self, config: Path, log: Path, env: dict[str, str]):
+        self.log = log
+        with log.open("w") as out:
+            self.proc = subprocess.Popen([serve_executable(), "run", "--address", "local", str(config)],
+                                         cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+        self._descendants: list[int] = []
+
+    def wait_until_ready(self, url: str) -> None:
+        """Until GET url answers 200, failing at once if serve run exits."""
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"serve run exited early:\n{self.log_tail()}"
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(url, timeout=2).status_code == 200:
+                    return
+            time.sleep(1)
+        pytest.fail(f"not ready after {READY_TIMEOUT_S}s:\n{self.log_tail()}")
+
+    def stop(self, timeout_s: float) -> None:
+        """Ctrl-C, as a user stops it: serve run exits 0 and takes every process it started."""
+        self._descendants = self._children()
+        self.proc.send_signal(signal.SIGINT)
+        assert self.proc.wait(timeout=timeout_s) == 0, self.log_tail()
+        assert wait_for_exit(self._descendants) == [], "Ray processes outlived serve run"
+
+    def kill_leftovers(self) -> None:
+        """After a failure: kill what this serve run started, by PID, and nothing else."""
+        if self.proc.poll() is None:
+            self._descendants = self._children()
+            self.proc.kill()
+        for pid in wait_for_exit(self._descendants, timeout_s=0):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                psutil.Process(pid).kill()
+
+    def log_tail(self) -> str:
+        return self.log.read_text()[-4000:]
+
+    def _children(self) -> list[int]:
+        return [p.pid for p in psutil.Process(self.proc.pid).children(recursive=True)]
+
+
+@contextlib.contextmanager
+def serve_run(config: Path, log: Path, env: dict[str, str]) -> Iterator[ServeRun]:
+    """A ServeRun whose leftovers are killed on the way out, however the test ended."""
+    run = ServeRun(config, log, env)
+    try:
+        yield run
+    finally:
+        run.kill_leftovers()

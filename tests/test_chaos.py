@@ -7,22 +7,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import signal
-import subprocess
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import psutil
 import pytest
 import yaml
 from ray.dashboard.consts import DASHBOARD_METRIC_PORT
 
 from loadtest.chaos import ChaosConfig, check_loopback, run_chaos, summary
-from tests.serve_helpers import free_port, wait_for_exit
-from test_serve_run import READY_TIMEOUT_S, ROOT, serve_executable
+from tests.serve_helpers import ROOT, free_port, serve_run
 
 pytestmark = pytest.mark.serve
 
@@ -41,37 +36,13 @@ def derived_config(tmp_path: Path, port: int, model_dir: Path) -> Path:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory, tiny_gpt2_dir: Path) -> Iterator[tuple[str, psutil.Process]]:
     tmp_path = tmp_path_factory.mktemp("chaos")
-    port, log = free_port(), tmp_path / "serve_run.log"
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
-    command = [serve_executable(), "run", "--address", "local", str(derived_config(tmp_path, port, tiny_gpt2_dir))]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "RAYINFER_API_KEYS": API_KEY}
-    with log.open("w") as out:
-        proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
-    descendants: list[int] = []
-    try:
-        wait_until_healthy(proc, url, log)
-        descendants = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
-        yield url, psutil.Process(proc.pid)
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=90) == 0, log.read_text()[-4000:]
-        assert wait_for_exit(descendants) == [], "Ray processes outlived serve run"
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        for pid in wait_for_exit(descendants, timeout_s=0):
-            with contextlib.suppress(psutil.NoSuchProcess):
-                psutil.Process(pid).kill()
-
-
-def wait_until_healthy(proc: subprocess.Popen, url: str, log: Path) -> None:
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"serve run exited early:\n{log.read_text()[-4000:]}"
-        with contextlib.suppress(httpx.TransportError):
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        time.sleep(1)
-    pytest.fail(f"not ready after {READY_TIMEOUT_S}s:\n{log.read_text()[-4000:]}")
+    with serve_run(derived_config(tmp_path, port, tiny_gpt2_dir), tmp_path / "serve_run.log", env) as run:
+        run.wait_until_ready(f"{url}/health")
+        yield url, psutil.Process(run.proc.pid)
+        run.stop(timeout_s=90)
 
 
 def listening(process: psutil.Process) -> list[tuple[str, int, str]]:

@@ -70,8 +70,7 @@ class GPT2LMHead(nn.Module):
         """Prepack the projections and the LM head for oneDNN (bf16 on CPU, see
         engine/packed_linear.py). Call after the weights are loaded: the state dict then no
         longer holds the projections."""
-        for block in self.h:
-            pack_linears(block)
+        pack_linears(self.h)
         self.lm_head = PackedLinear(self.wte.weight, None)
 
     @torch.no_grad()
