@@ -28,6 +28,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from deployments.engine import route_logs_to_serve
+from deployments.handles import over_grpc
 from deployments.protocol import (
     DEFAULT_MAX_BODY_BYTES, ApiError, BodyT, ChatBody, CompletionBody, GenerateBody, _SamplingBody, as_api_error,
     bad_request, invalid_body, read_json_body, unknown_model,
@@ -261,8 +262,8 @@ async def merge(streams: list[AsyncIterator[ChoiceDelta]]) -> AsyncIterator[Choi
 class Ingress:
     async def __init__(self, tokenizer: DeploymentHandle, engine: DeploymentHandle, model_name: str,
                        api_keys: list[str] | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
-        self._tokenizer = tokenizer
-        self._engine = engine
+        self._tokenizer = over_grpc(tokenizer)
+        self._engine = over_grpc(engine)
         self._model_name = model_name
         self._api_keys = ApiKeys.from_config(api_keys)
         self._max_body_bytes = max_body_bytes

@@ -16,6 +16,7 @@ from ray import serve
 
 from deployments import app as app_module
 from deployments.app import build_app
+from deployments.handles import over_grpc
 from deployments.tokenizer import Encoded, EncodeRequest
 from engine import LLM, SamplingParams
 from tests.serve_helpers import running_app
@@ -180,6 +181,27 @@ def test_the_tokenizer_deployment_serves_from_two_replicas(gpt2_tokenizer) -> No
     responses = [handle.encode.remote(EncodeRequest(prompt=f"prompt {i}", max_tokens=4)) for i in range(64)]
     results = [r.result(timeout_s=30) for r in responses]
     assert results == [Encoded(gpt2_tokenizer.encode(f"prompt {i}"), 4) for i in range(64)]
+
+
+def test_the_ingress_handles_stream_engine_chunks_over_grpc(base_url: str, tiny_gpt2_dir: Path) -> None:
+    engine = over_grpc(serve.get_deployment_handle("EngineDeployment", APP))
+    prompt_ids = [464, 3139, 286, 4881, 318]
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    response = engine.options(stream=True).generate.remote("grpc-test", prompt_ids, params)
+    chunks = list(response)
+    assert response.by_reference is False  # inline over gRPC, not object references
+    expected = LLM(str(tiny_gpt2_dir), dtype="float32", **ENGINE_ARGS).generate([prompt_ids], params)[0]
+    assert [t for c in chunks for t in c.token_ids] == expected.token_ids
+    assert chunks[-1].finish_reason == "length"
+
+
+def test_over_grpc_keeps_the_handle_on_a_ray_without_the_option() -> None:
+    class OlderHandle:
+        def options(self, **kwargs):
+            raise TypeError(f"unexpected keyword arguments {sorted(kwargs)}")
+
+    handle = OlderHandle()
+    assert over_grpc(handle) is handle
 
 
 def test_a_client_disconnect_mid_stream_aborts_the_request_in_the_engine(client: httpx.Client) -> None:
