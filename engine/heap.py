@@ -1,11 +1,15 @@
 """Keeping the engine's resident memory flat under varied traffic.
 
-Measured on the engine replica over ~3,000 varied requests: RSS 2.6 -> 4.4 GB, then flat,
-with Python's object counts constant. Two causes, neither a leak:
+Measured on the engine replica over ~3,000 varied requests: RSS 2.6 -> 4.4 GB, with
+Python's objects and tensors constant. Two causes, neither a leak:
 
-- oneDNN caches a compiled primitive per matmul shape, 1024 by default, and every step's
-  token count is a new shape. 64 keep the recurring ones (a steady decode batch) and
-  bound the rest; a varied-length workload ran no slower with 64 (173 vs 159 tok/s).
+- Two caches keyed by matmul shape, 1024 entries each by default: oneDNN's compiled
+  primitives (ONEDNN_PRIMITIVE_CACHE_CAPACITY) and, in front of it, the LRU of PyTorch's
+  ideep wrapper (LRU_CACHE_CAPACITY). Every step's token count and context width is a
+  new shape, so both keep growing for thousands of requests (bare engine, 48 varied
+  requests a wave: glibc's in-use heap +16 MB a wave with either cache unbounded, flat
+  with both at 64). 64 keep the recurring shapes of a steady batch; `engine.bench` runs
+  as fast with 64 as with 1024 (16 thrashes: single-request decode 8.5 -> 13 ms).
 - glibc's malloc keeps the pages of freed tensors of varied sizes resident.
   `malloc_trim(0)` gives every free page back (madvise). Forcing big blocks onto mmap
   instead (MALLOC_MMAP_THRESHOLD_=1 MiB) halved decode throughput through page faults, so
@@ -19,13 +23,15 @@ import ctypes.util
 import functools
 import os
 
-ONEDNN_PRIMITIVE_CACHE_CAPACITY = 64
+SHAPE_CACHE_CAPACITY = 64
+SHAPE_CACHE_ENV = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")  # oneDNN's, ideep's
 
 
-def limit_onednn_primitive_cache() -> None:
-    """oneDNN reads this once, at its first primitive: call before the model runs. A value
-    the user already set is kept."""
-    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_PRIMITIVE_CACHE_CAPACITY))
+def limit_onednn_caches() -> None:
+    """Both are read once, at the first oneDNN call: call before the model runs. Values
+    the user already set are kept."""
+    for name in SHAPE_CACHE_ENV:
+        os.environ.setdefault(name, str(SHAPE_CACHE_CAPACITY))
 
 
 @functools.cache

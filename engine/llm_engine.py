@@ -9,7 +9,7 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.heap import limit_onednn_primitive_cache
+from engine.heap import limit_onednn_caches
 from engine.loader import ModelSource, load_state_dict, resolve_model
 from engine.model_runner import ModelRunner
 from engine.models.gpt2 import GPT2LMHead
@@ -28,7 +28,7 @@ _GPU_KV_FRACTION = 0.8  # of the memory free after loading weights
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
-        limit_onednn_primitive_cache()
+        limit_onednn_caches()
         if config.torch_device.type == "cpu":
             torch.set_num_threads(config.cpu_threads)
         source = resolve_model(config.model, config.weights)

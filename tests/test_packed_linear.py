@@ -3,14 +3,13 @@ changes speed and nothing else. fp32, the token-exact reference path, is never p
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from engine import LLM, SamplingParams
-from engine import heap, llm_engine
+from engine import llm_engine
 from engine.packed_linear import PackedLinear, can_pack
 from tests.engine_helpers import mixed_prompts
 
@@ -43,12 +42,3 @@ def test_packed_bf16_engine_generates_the_same_tokens_as_unpacked(tiny_gpt2_dir,
     assert unpacked_llm.engine.runner.model.lm_head is None
     unpacked = unpacked_llm.generate(prompts, params)
     assert [o.token_ids for o in packed] == [o.token_ids for o in unpacked]
-
-
-def test_engine_bounds_onednn_primitive_cache_unless_the_user_set_it(monkeypatch):
-    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
-    heap.limit_onednn_primitive_cache()
-    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == str(heap.ONEDNN_PRIMITIVE_CACHE_CAPACITY)
-    monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "8")
-    heap.limit_onednn_primitive_cache()
-    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "8"
