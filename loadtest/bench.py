@@ -5,7 +5,9 @@ Sends `--num-requests` streaming completions of `--prompt-tokens` prompt tokens 
 fixed or Poisson arrivals), and reports TTFT (with the server's own tokenize / queue wait /
 prefill breakdown where it sends `server_timing`), TPOT, ITL, end-to-end latency and
 throughput. `--compare-url` runs the same workload against a second server in the same run;
-`--sweep 1,8,32,64` repeats it over concurrency levels and plots the result.
+`--sweep 1,8,32,64` repeats it over concurrency levels and plots the result; `--repeats 5`
+runs the whole comparison five times, alternating servers, and reports each round and the
+median (throughput on a shared or virtual machine moves between runs minutes apart).
 
     python -m loadtest.bench --num-requests 64 --concurrency 8 --prompt-tokens 128 --max-tokens 64
     python -m loadtest.bench --compare-url http://127.0.0.1:8001 --sweep 1,8,32,64 --out bench_out
@@ -22,6 +24,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
+from statistics import median
 from pathlib import Path
 from typing import Any, Literal
 
@@ -126,6 +129,7 @@ class BenchResult:
     e2e_ms: Summary
     server_timing_ms: dict[str, Summary]
     errors: list[str] = field(default_factory=list)
+    round: int = 1  # of --repeats
 
 
 # ---- maths ----
@@ -372,6 +376,29 @@ def sweep_table(results: Sequence[BenchResult]) -> str:
     return "\n".join(lines)
 
 
+def repeats_table(results: Sequence[BenchResult]) -> str:
+    """Markdown: one row per round with each server's throughput and TTFT p50, then the
+    medians; with two or more servers, the first's throughput as a share of the last's."""
+    labels = list(dict.fromkeys(r.label for r in results))
+    rounds = [[r for r in results if r.round == n] for n in sorted({r.round for r in results})]
+    ratio = f"{labels[0]} / {labels[-1]}" if len(labels) > 1 else None
+    header = ["round", *(f"{label}: tok/s, TTFT p50 (ms)" for label in labels), *([ratio] if ratio else [])]
+    lines = [_row(header), "|---" * len(header) + "|"]
+    for number, row in enumerate(rounds, start=1):
+        share = [f"{_share(row):.0%}"] if ratio else []
+        lines.append(_row([str(number), *(f"{r.output_throughput:.1f}, {_ms(r.ttft_ms.p50)}" for r in row), *share]))
+    columns = [[row[i] for row in rounds] for i in range(len(labels))]
+    medians = [f"**{median(r.output_throughput for r in column):.1f}**, "
+               f"{_ms(median(r.ttft_ms.p50 or 0.0 for r in column))}" for column in columns]
+    share = [f"**{median(_share(row) for row in rounds):.0%}**"] if ratio else []
+    lines.append(_row(["median", *medians, *share]))
+    return "\n".join(lines)
+
+
+def _share(row: Sequence[BenchResult]) -> float:
+    return row[0].output_throughput / row[-1].output_throughput if row[-1].output_throughput else 0.0
+
+
 def _row(cells: Sequence[str]) -> str:
     return "| " + " | ".join(cells) + " |"
 
@@ -454,6 +481,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=1, help="requests sent and discarded before measuring")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="run every server (and --offline-model) this many times, alternating; report the medians")
     parser.add_argument("--sweep", default=None, help="comma-separated concurrency levels, e.g. 1,8,32,64")
     parser.add_argument("--out", type=Path, default=None, help="directory for bench.json, bench.md (and sweep.png)")
     parser.add_argument("--no-progress", action="store_true")
@@ -490,6 +519,8 @@ def workload_from_args(args: argparse.Namespace) -> Workload:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     targets, workload = targets_from_args(args), workload_from_args(args)
+    if args.repeats < 1 or (args.repeats > 1 and args.sweep):
+        raise SystemExit("--repeats must be at least 1, and applies to a single run, not to --sweep")
     if args.sweep:
         levels = [int(level) for level in args.sweep.split(",")]
         results = run_sweep(targets, workload, levels, not args.no_progress)
@@ -498,17 +529,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         plot_sweep(results, out / "sweep.png")
         print(f"wrote {out / 'bench.json'}, {out / 'bench.md'}, {out / 'sweep.png'}", file=sys.stderr)
     else:
-        results = [run_benchmark(BenchConfig(t, workload, not args.no_progress)) for t in targets]
-        if args.offline_model:
-            from loadtest.offline import OfflineTarget, run_offline
-
-            results.append(run_offline(OfflineTarget(args.offline_model, dtype=args.offline_dtype), workload))
-        table = side_by_side_table(results)
+        results = [r for n in range(1, args.repeats + 1) for r in run_round(n, targets, workload, args)]
+        table = side_by_side_table(results) if args.repeats == 1 else repeats_table(results)
         if args.out:
             write_outputs(args.out, workload, results, table)
     print(table)
     _print_errors(results)
     return 1 if any(r.failures for r in results) else 0
+
+
+def run_round(number: int, targets: Sequence[Target], workload: Workload, args: argparse.Namespace) -> list[BenchResult]:
+    """Every server in turn, then the offline engine where asked: one round of --repeats."""
+    results = [run_benchmark(BenchConfig(t, workload, not args.no_progress)) for t in targets]
+    if args.offline_model:
+        from loadtest.offline import OfflineTarget, run_offline
+
+        results.append(run_offline(OfflineTarget(args.offline_model, dtype=args.offline_dtype), workload))
+    return [replace(r, round=number) for r in results]
 
 
 def _print_errors(results: Sequence[BenchResult]) -> None:

@@ -274,6 +274,7 @@ RESULT_FIELDS = {
     "label", "url", "api", "concurrency", "request_rate", "num_requests", "prompt_tokens", "max_tokens",
     "successes", "failures", "duration_s", "total_output_tokens", "mean_output_tokens",
     "request_throughput", "output_throughput", "ttft_ms", "tpot_ms", "itl_ms", "e2e_ms", "server_timing_ms", "errors",
+    "round",
 }  # fmt: skip
 
 
@@ -338,6 +339,41 @@ def test_bench_sweep_writes_one_result_per_level_and_server_and_a_plot(fake_url:
     levels = [(r["concurrency"], r["label"]) for r in document["results"]]
     assert levels == [(1, "rayinfer"), (1, "baseline"), (4, "rayinfer"), (4, "baseline")]
     assert (tmp_path / "sweep.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_bench_repeats_alternate_the_servers_and_report_each_round_and_the_medians(
+    fake_url: str, tmp_path: Path
+) -> None:
+    extra = ("--repeats", "3", "--compare-url", fake_url, "--label", "a", "--compare-label", "b", "--concurrency", "2")
+    code, document = _bench(fake_url, tmp_path, *extra)
+    assert code == 0
+    assert [(r["round"], r["label"]) for r in document["results"]] == [
+        (1, "a"), (1, "b"), (2, "a"), (2, "b"), (3, "a"), (3, "b"),
+    ]  # fmt: skip
+    lines = (tmp_path / "bench.md").read_text().splitlines()
+    assert lines[0] == "| round | a: tok/s, TTFT p50 (ms) | b: tok/s, TTFT p50 (ms) | a / b |"
+    assert [line.split(" | ")[0] for line in lines[2:]] == ["| 1", "| 2", "| 3", "| median"]
+    throughputs = sorted(r["output_throughput"] for r in document["results"] if r["label"] == "a")
+    assert lines[-1].startswith(f"| median | **{throughputs[1]:.1f}**, ")
+
+
+def test_repeats_table_shares_are_the_first_server_over_the_last() -> None:
+    def result(label: str, round_: int, tok_s: float) -> bench.BenchResult:
+        summary = bench.Summary(1.0, 10.0 * round_, 2.0, 3.0)
+        return bench.BenchResult(label, "u", "completions", 1, None, 1, 1, 1, 1, 0, 1.0, 1, 1.0, 1.0, tok_s,
+                                 summary, summary, summary, summary, {}, round=round_)
+
+    table = bench.repeats_table([result("http", 1, 90.0), result("offline", 1, 100.0),
+                                 result("http", 2, 60.0), result("offline", 2, 50.0),
+                                 result("http", 3, 70.0), result("offline", 3, 100.0)])
+    rows = table.splitlines()
+    assert [row.rsplit(" | ", 1)[-1] for row in rows[2:]] == ["90% |", "120% |", "70% |", "**90%** |"]
+    assert rows[-1] == "| median | **70.0**, 20.0 | **100.0**, 20.0 | **90%** |"
+
+
+def test_bench_refuses_repeats_with_a_sweep(fake_url: str, tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match="--repeats"):
+        _bench(fake_url, tmp_path, "--repeats", "2", "--sweep", "1,2")
 
 
 def test_run_benchmark_is_callable_from_code(fake_url: str) -> None:
