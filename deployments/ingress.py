@@ -31,7 +31,7 @@ from deployments.engine import route_logs_to_serve
 from deployments.handles import over_grpc
 from deployments.protocol import (
     DEFAULT_MAX_BODY_BYTES, ApiError, BodyT, ChatBody, CompletionBody, GenerateBody, _SamplingBody, as_api_error,
-    bad_request, invalid_body, read_json_body, unknown_model,
+    bad_request, documented_body, invalid_body, read_json_body, unknown_model,
 )
 from deployments.security import ApiKeys
 from deployments.metrics import RequestCounterMiddleware, request_metrics
@@ -271,7 +271,7 @@ class Ingress:
         self._info: ModelInfo = await engine.model_info.remote()
         self._vocab = TokenVocab.from_tokenizer(load_tokenizer(self._info.name))
 
-    @api.post("/v1/completions")
+    @api.post("/v1/completions", openapi_extra=documented_body(CompletionBody))
     async def completions(self, request: Request) -> Any:
         received_at = time.perf_counter()
         body = await self._read(request, CompletionBody)
@@ -279,7 +279,7 @@ class Ingress:
                                                            max_model_len=self._info.max_model_len))
         return await self._respond(body, encoded, timing, received_at, COMPLETIONS)
 
-    @api.post("/v1/chat/completions")
+    @api.post("/v1/chat/completions", openapi_extra=documented_body(ChatBody))
     async def chat_completions(self, request: Request) -> Any:
         received_at = time.perf_counter()
         body = await self._read(request, ChatBody)
@@ -289,7 +289,7 @@ class Ingress:
             max_model_len=self._info.max_model_len))
         return await self._respond(body, encoded, timing, received_at, CHAT)
 
-    @api.post("/generate")
+    @api.post("/generate", openapi_extra=documented_body(GenerateBody))
     async def generate(self, request: Request) -> Any:
         received_at = time.perf_counter()
         body = await self._read(request, GenerateBody)

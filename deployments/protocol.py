@@ -196,3 +196,23 @@ async def read_json_body(request: Request, model: type[BodyT], max_bytes: int) -
         return model.model_validate_json(await read_body(request, max_bytes))
     except ValidationError as exc:
         raise invalid_body(exc.errors()) from None
+
+
+def documented_body(model: type[BaseModel]) -> dict[str, Any]:
+    """A route's `openapi_extra` describing its JSON body for /docs. The routes read the raw
+    body (so bad JSON gets OpenAI's 400, not FastAPI's 422), which hides it from FastAPI."""
+    schema = model.model_json_schema()
+    schema = _inline_refs(schema, schema.pop("$defs", {}))
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+def _inline_refs(node: Any, defs: dict[str, Any]) -> Any:
+    """Nested models in place of `#/$defs/...` references, which would resolve against the
+    OpenAPI document rather than this schema."""
+    if isinstance(node, dict):
+        if "$ref" in node:
+            return _inline_refs(defs[node["$ref"].rsplit("/", 1)[-1]], defs)
+        return {key: _inline_refs(value, defs) for key, value in node.items()}
+    if isinstance(node, list):
+        return [_inline_refs(value, defs) for value in node]
+    return node

@@ -183,6 +183,22 @@ def test_the_tokenizer_deployment_serves_from_two_replicas(gpt2_tokenizer) -> No
     assert results == [Encoded(gpt2_tokenizer.encode(f"prompt {i}"), 4) for i in range(64)]
 
 
+def test_openapi_documents_every_post_body_with_nested_models_inlined(client: httpx.Client) -> None:
+    paths = client.get("/openapi.json").json()["paths"]
+
+    def body(path: str) -> dict:
+        post = paths[path]["post"]
+        assert post["requestBody"]["required"] is True
+        return post["requestBody"]["content"]["application/json"]["schema"]
+
+    assert {"prompt", "max_tokens", "temperature", "stream", "stop", "n"} <= set(body("/v1/completions")["properties"])
+    messages = body("/v1/chat/completions")["properties"]["messages"]
+    assert {"role", "content"} <= set(messages["items"]["properties"])  # inlined, not a dangling $ref
+    assert {"prompt", "max_new_tokens"} <= set(body("/generate")["properties"])
+    assert "$ref" not in json.dumps([body(p) for p in ("/v1/completions", "/v1/chat/completions", "/generate")])
+    assert client.get("/docs").status_code == 200
+
+
 def test_the_ingress_handles_stream_engine_chunks_over_grpc(base_url: str, tiny_gpt2_dir: Path) -> None:
     engine = over_grpc(serve.get_deployment_handle("EngineDeployment", APP))
     prompt_ids = [464, 3139, 286, 4881, 318]
