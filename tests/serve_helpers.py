@@ -76,7 +76,8 @@ class ServeRun:
         self.log = log
         with log.open("w") as out:
             self.proc = subprocess.Popen([serve_executable(), "run", "--address", "local", str(config)],
-                                         cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+                                         cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                         preexec_fn=_default_sigint)
         self._descendants: list[int] = []
 
     def wait_until_ready(self, url: str) -> None:
@@ -111,6 +112,12 @@ class ServeRun:
 
     def _children(self) -> list[int]:
         return [p.pid for p in psutil.Process(self.proc.pid).children(recursive=True)]
+
+
+def _default_sigint() -> None:
+    """Ctrl-C must reach serve run even when the tests themselves run as a background job
+    (`.ci/run &`), which starts with SIGINT ignored and would pass that on."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 @contextlib.contextmanager
