@@ -1,7 +1,8 @@
 """Token sampling, vectorised over the batch.
 
 Greedy rows take the argmax. Other rows are scaled by temperature, filtered by top-k and
-top-p (one sort, only when some row asks for it), and sampled by inverting their CDF: one
+top-p (only when some row asks for it, over its 1024 most likely tokens where they hold
+the mass asked for), and sampled by inverting their CDF: one
 uniform draw per row, found in the row's cumulative sum. That is one random number per
 row where an exponential race (or torch.multinomial) draws one per vocabulary entry: on
 CPU, 0.6 ms instead of 24 ms for 32 rows of GPT-2's 50257. Seeded rows draw their uniform
@@ -76,13 +77,48 @@ def _sample_inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Te
     return torch.searchsorted(cdf, targets, right=True).squeeze(1)
 
 
+# Top-p and top-k keep the few most likely tokens. Ranking only this many (torch.topk) rather
+# than sorting all 50257 makes them cheap for a peaked distribution (32 rows, nucleus ~500
+# tokens, 2 CPU cores: 70 -> 9 ms); a row whose top_p reaches past these candidates' mass
+# (a flat distribution: random weights) falls back to the full sort, ~15 ms dearer.
+_NUM_CANDIDATES = 1024
+
+
 def _filter_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    ranks = torch.arange(logits.shape[-1], device=logits.device).unsqueeze(0)
+    """-inf outside each row's top-k, then outside the smallest prefix whose mass reaches top_p."""
+    vocab = logits.shape[-1]
+    limited_k = top_ks[top_ks < vocab]
+    k = min(vocab, max(_NUM_CANDIDATES, int(limited_k.max()) if len(limited_k) else 0))
+    if k == vocab:
+        return _filter_sorted(logits, *logits.sort(dim=-1, descending=True), top_ks, top_ps)
+    values, order = logits.topk(k, dim=-1)
+    filtered = _filter_sorted(logits, values, order, top_ks, top_ps)
+    candidates_mass = (torch.logsumexp(values, dim=-1) - torch.logsumexp(logits, dim=-1)).exp()
+    short = (top_ks > k) & (candidates_mass < top_ps)  # top-p reaches past the candidates
+    if short.any():
+        rows = short.nonzero().squeeze(1)
+        ranked = logits[rows].sort(dim=-1, descending=True)
+        filtered[rows] = _filter_sorted(logits[rows], *ranked, top_ks[rows], top_ps[rows])
+    return filtered
+
+
+def _filter_sorted(logits: torch.Tensor, sorted_logits: torch.Tensor, order: torch.Tensor,
+                   top_ks: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
+    """Filters each row's ranked tokens: its whole vocabulary, or its top candidates where
+    they hold its top-k or its top-p mass. Tokens not in `order` are dropped."""
+    ranks = torch.arange(sorted_logits.shape[-1], device=logits.device).unsqueeze(0)
     drop = ranks >= top_ks.unsqueeze(1)
-    probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+    masked = sorted_logits.masked_fill(drop, float("-inf"))
+    # Each token's share of the row's mass after the top-k cut: of the top-k where the row
+    # has one, else of the whole vocabulary (not just of the candidates).
+    probs = (masked - _row_logsumexp(logits, masked, top_ks).unsqueeze(1)).exp()
     # Keep the smallest prefix whose mass reaches top_p: drop a token when the mass before it does.
     drop |= (probs.cumsum(dim=-1) - probs) >= top_ps.unsqueeze(1)
     drop[:, 0] = False
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+    kept = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter_(-1, order, kept)
+
+
+def _row_logsumexp(logits: torch.Tensor, masked: torch.Tensor, top_ks: torch.Tensor) -> torch.Tensor:
+    has_top_k = top_ks <= masked.shape[-1]
+    return torch.where(has_top_k, torch.logsumexp(masked, dim=-1), torch.logsumexp(logits, dim=-1))

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.sampler import Sampler, SamplingBatch
+from engine.sampler import _filter_sorted, _filter_top_k_top_p, Sampler, SamplingBatch
 from tests.engine_helpers import mixed_prompts
 
 
@@ -146,3 +146,17 @@ def test_top_k_and_top_p_never_sample_outside_their_set():
     # softmax mass: tokens 0, 1 ~0.65, tokens 0, 1, 2 ~0.94: top_p 0.8 keeps exactly those three.
     top_p = torch.bincount(_sample_many(logits, 5000, temperature=1.0, top_p=0.8), minlength=6)
     assert top_p[:3].min() > 0 and top_p[3:].sum() == 0
+
+
+@pytest.mark.parametrize("scale", [0.5, 3.0])  # flat rows reach past the candidates, peaked ones not
+def test_top_k_top_p_over_candidates_keeps_what_the_full_sort_keeps(scale: float):
+    torch.manual_seed(0)
+    logits = torch.randn(12, 50257) * scale
+    logits[0] = 0.0  # uniform: top_p 0.9 needs 45k tokens, far past the candidates
+    top_ks = torch.tensor([50257, 50257, 50257, 50257, 40, 40, 2000, 2000, 50257, 1, 50257, 300])
+    top_ps = torch.tensor([0.9, 0.5, 0.9, 0.999, 1.0, 0.8, 0.95, 1.0, 0.01, 1.0, 1.0, 0.7])
+    reference = _filter_sorted(logits, *logits.sort(dim=-1, descending=True), top_ks, top_ps)
+    kept = _filter_top_k_top_p(logits, top_ks, top_ps)
+    assert torch.equal(kept.isfinite(), reference.isfinite())
+    assert torch.equal(kept[kept.isfinite()], logits[kept.isfinite()])
+    assert kept[0].isfinite().sum() > 40_000 and kept[9].isfinite().sum() == 1
