@@ -24,8 +24,8 @@ import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
-from statistics import median
 from pathlib import Path
+from statistics import median
 from typing import Any, Literal
 
 import httpx

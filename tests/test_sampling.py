@@ -155,7 +155,8 @@ def test_top_k_top_p_over_candidates_keeps_what_the_full_sort_keeps(scale: float
     logits[0] = 0.0  # uniform: top_p 0.9 needs 45k tokens, far past the candidates
     top_ks = torch.tensor([50257, 50257, 50257, 50257, 40, 40, 2000, 2000, 50257, 1, 50257, 300])
     top_ps = torch.tensor([0.9, 0.5, 0.9, 0.999, 1.0, 0.8, 0.95, 1.0, 0.01, 1.0, 1.0, 0.7])
-    reference = _filter_sorted(logits, *logits.sort(dim=-1, descending=True), top_ks, top_ps)
+    whole = torch.logsumexp(logits, dim=-1)
+    reference = _filter_sorted(logits, *logits.sort(dim=-1, descending=True), top_ks, top_ps, whole)
     kept = _filter_top_k_top_p(logits, top_ks, top_ps)
     assert torch.equal(kept.isfinite(), reference.isfinite())
     assert torch.equal(kept[kept.isfinite()], logits[kept.isfinite()])
