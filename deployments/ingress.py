@@ -268,7 +268,7 @@ class Ingress:
         self._api_keys = ApiKeys.from_config(api_keys)
         self._max_body_bytes = max_body_bytes
         route_logs_to_serve("engine")
-        self._info: ModelInfo = await engine.model_info.remote()
+        self._info: ModelInfo = await self._engine.model_info.remote()
         self._vocab = TokenVocab.from_tokenizer(load_tokenizer(self._info.name))
 
     @api.post("/v1/completions", openapi_extra=documented_body(CompletionBody))
