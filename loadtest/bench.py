@@ -8,6 +8,9 @@ throughput. `--compare-url` runs the same workload against a second server in th
 `--sweep 1,8,32,64` repeats it over concurrency levels and plots the result; `--repeats 5`
 runs the whole comparison five times, alternating servers, and reports each round and the
 median (throughput on a shared or virtual machine moves between runs minutes apart).
+`--offline-model gpt2` adds the in-process engine on the same workload, and `--handle-app
+rayinfer` the app's engine deployment over a Serve handle (no HTTP): between them they
+show where the HTTP path's time goes.
 
     python -m loadtest.bench --num-requests 64 --concurrency 8 --prompt-tokens 128 --max-tokens 64
     python -m loadtest.bench --compare-url http://127.0.0.1:8001 --sweep 1,8,32,64 --out bench_out
@@ -470,6 +473,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--offline-model", default=None,
                         help="also run the workload on an in-process engine (random weights), e.g. gpt2")
     parser.add_argument("--offline-dtype", default="bfloat16")
+    parser.add_argument("--handle-app", default=None,
+                        help="also send the workload to this app's engine deployment over a Serve handle (this "
+                             "process joins its Ray cluster): Ray and the engine replica, without HTTP")
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--concurrency", type=int, default=None, help="requests in flight (default 8 without a rate)")
     parser.add_argument("--request-rate", type=float, default=None, help="open loop: requests per second")
@@ -539,8 +545,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def run_round(number: int, targets: Sequence[Target], workload: Workload, args: argparse.Namespace) -> list[BenchResult]:
-    """Every server in turn, then the offline engine where asked: one round of --repeats."""
+    """Every server in turn, then the engine over a handle and the offline engine where asked:
+    one round of --repeats."""
     results = [run_benchmark(BenchConfig(t, workload, not args.no_progress)) for t in targets]
+    if args.handle_app:
+        from loadtest.handle import HandleTarget, run_over_handle
+
+        results.append(run_over_handle(HandleTarget(args.handle_app), workload))
     if args.offline_model:
         from loadtest.offline import OfflineTarget, run_offline
 

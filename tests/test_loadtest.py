@@ -24,6 +24,7 @@ from starlette.routing import Route
 
 from loadtest import bench
 from loadtest.headless import run_locust
+from loadtest.offline import OfflineTarget, run_offline
 from loadtest.prompts import WORDS, Distribution, make_prompt
 from loadtest.sse import SSEParser, StreamRecord, parse_chunk
 
@@ -420,3 +421,12 @@ def test_locust_counts_error_events_in_the_stream_as_failures(failing_url: str, 
     assert run.returncode == 1
     assert run.entries[("POST", "/v1/completions")].num_failures > 0
     assert ("METRIC", "ttft") not in run.entries
+
+
+def test_the_offline_target_runs_the_workload_on_an_in_process_engine(tiny_gpt2_dir: Path) -> None:
+    workload = bench.Workload(num_requests=4, prompt_tokens=8, max_tokens=5, temperature=0.0, concurrency=2, warmup=1)
+    result = run_offline(OfflineTarget(str(tiny_gpt2_dir), weights="pretrained", dtype="float32"), workload)
+    assert (result.successes, result.failures) == (4, 0), result.errors
+    assert result.total_output_tokens == 4 * 5
+    assert (result.label, result.url) == ("offline engine", "in-process")
+    assert result.ttft_ms.p50 > 0 and result.tpot_ms.p50 > 0

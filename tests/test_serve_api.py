@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import ray
 from ray import serve
 
 from deployments import app as app_module
@@ -19,6 +20,8 @@ from deployments.app import build_app
 from deployments.handles import over_grpc
 from deployments.tokenizer import Encoded, EncodeRequest
 from engine import LLM, SamplingParams
+from loadtest.bench import Workload
+from loadtest.handle import HandleTarget, run_over_handle
 from tests.serve_helpers import running_app
 
 pytestmark = pytest.mark.serve
@@ -209,6 +212,18 @@ def test_the_ingress_handles_stream_engine_chunks_over_grpc(base_url: str, tiny_
     expected = LLM(str(tiny_gpt2_dir), dtype="float32", **ENGINE_ARGS).generate([prompt_ids], params)[0]
     assert [t for c in chunks for t in c.token_ids] == expected.token_ids
     assert chunks[-1].finish_reason == "length"
+
+
+def test_the_benchmark_drives_the_engine_deployment_over_a_serve_handle(client: httpx.Client) -> None:
+    workload = Workload(num_requests=4, prompt_tokens=8, max_tokens=5, temperature=0.0, concurrency=2, warmup=1)
+    result = run_over_handle(HandleTarget(APP), workload)
+    assert (result.successes, result.failures) == (4, 0), result.errors
+    assert result.total_output_tokens == 4 * 5
+    assert result.url == f"serve handle {APP}/EngineDeployment"
+    assert result.ttft_ms.p50 > 0 and result.tpot_ms.p50 > 0
+    assert ray.is_initialized()  # this test's own driver connection is left alone
+    health = wait_until_engine_idle(client)
+    assert health["num_active_requests"] == 0 and health["stats"]["num_kv_blocks_used"] == 0
 
 
 def test_over_grpc_keeps_the_handle_on_a_ray_without_the_option() -> None:
