@@ -97,8 +97,9 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torc
     short = (top_ks > k) & (candidates_mass < top_ps)  # top-p reaches past the candidates
     if short.any():
         rows = short.nonzero().squeeze(1)
-        ranked = logits[rows].sort(dim=-1, descending=True)
-        filtered[rows] = _filter_sorted(logits[rows], *ranked, top_ks[rows], top_ps[rows], row_lse[rows])
+        row_logits = logits[rows]  # one copy of these rows, sorted and filtered
+        ranked = row_logits.sort(dim=-1, descending=True)
+        filtered[rows] = _filter_sorted(row_logits, *ranked, top_ks[rows], top_ps[rows], row_lse[rows])
     return filtered
 
 

@@ -3,13 +3,11 @@ changes speed and nothing else. fp32, the token-exact reference path, is never p
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import LLM, SamplingParams
-from engine import llm_engine
+from engine import LLM, SamplingParams, llm_engine
 from engine.packed_linear import PackedLinear, can_pack
 from tests.engine_helpers import mixed_prompts
 
