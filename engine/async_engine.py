@@ -134,6 +134,12 @@ class AsyncEngine:
     def num_active_requests(self) -> int:
         return len(self._streams)
 
+    def waiting_work(self) -> tuple[int, int]:
+        """Requests admitted but not yet past their first token, and their prompt tokens:
+        what the overload bounds count. Call from the event loop that runs generate."""
+        waiting = [s for s in self._streams.values() if s.is_waiting]
+        return len(waiting), sum(s.num_prompt_tokens for s in waiting)
+
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[GenerationChunk]:
         """Stream a request's tokens.

@@ -29,9 +29,16 @@ class Block:
         self.token_ids: tuple[int, ...] = ()
 
 
+# Stands in for "no previous block": hash(None) differs between Python 3.11 processes,
+# while a tuple of ints hashes the same in every process, so routers in other processes
+# compute the very keys this engine caches under (deployments/prefix_routing.py).
+_FIRST_BLOCK_PREV_HASH = 0x5EED
+
+
 def chain_hash(prev_hash: int | None, token_ids: tuple[int, ...]) -> int:
-    """A full block's key: its tokens and, through prev_hash, every token before it."""
-    return hash((prev_hash, token_ids))
+    """A full block's key: its tokens and, through prev_hash, every token before it.
+    The same in every process (no salt), so other processes can compute it."""
+    return hash((_FIRST_BLOCK_PREV_HASH if prev_hash is None else prev_hash, token_ids))
 
 
 class BlockManager:

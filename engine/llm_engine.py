@@ -149,6 +149,7 @@ class LLMEngine:
             num_kv_blocks_used=bm.num_used_blocks, num_kv_blocks_total=bm.num_blocks,
             prefix_cache_hit_rate=bm.prefix_cache_hit_rate, num_preemptions=self.scheduler.num_preemptions,
             num_prompt_tokens=self._num_prompt_tokens, num_generated_tokens=self._num_generated_tokens,
+            num_prefix_queried_tokens=bm.num_prefix_queried_tokens, num_prefix_hit_tokens=bm.num_prefix_hit_tokens,
         )
 
     def check_integrity(self) -> None:

@@ -55,6 +55,8 @@ class EngineStats:
     num_preemptions: int
     num_prompt_tokens: int  # totals since start
     num_generated_tokens: int
+    num_prefix_queried_tokens: int
+    num_prefix_hit_tokens: int
 
     @property
     def kv_cache_usage(self) -> float:
