@@ -8,7 +8,7 @@ import time
 import torch
 
 from engine.block_manager import BlockManager
-from engine.config import EngineConfig
+from engine.config import EngineConfig, LinearsMode
 from engine.cpu import cpu_features
 from engine.heap import limit_onednn_caches
 from engine.loader import ModelSource, load_state_dict, resolve_model
@@ -33,7 +33,7 @@ class LLMEngine:
         if config.torch_device.type == "cpu":
             torch.set_num_threads(config.cpu_threads)
         source = resolve_model(config.model, config.weights)
-        model = build_model(source, config.torch_dtype, config.torch_device, config.seed)
+        model = build_model(source, config.torch_dtype, config.torch_device, config.seed, config.linears)
         hf = source.config
         self.max_model_len = min(config.max_model_len or hf.n_positions, hf.n_positions)
         self.eos_token_id = hf.eos_token_id if hf.eos_token_id is not None else hf.vocab_size - 1
@@ -175,7 +175,10 @@ def _default_kv_budget(device: torch.device) -> float:
     return _DEFAULT_CPU_KV_GB * 2**30
 
 
-def build_model(source: ModelSource, dtype: torch.dtype, device: torch.device, seed: int) -> GPT2LMHead:
+def build_model(source: ModelSource, dtype: torch.dtype, device: torch.device, seed: int,
+                linears: LinearsMode = "reference") -> GPT2LMHead:
+    """The model on `device` in `dtype`; linears="auto" prepacks its linears where the CPU runs
+    that (then its state dict no longer holds them)."""
     with torch.device("meta"):
         model = GPT2LMHead(source.config)
     model.to_empty(device="cpu")
@@ -184,10 +187,10 @@ def build_model(source: ModelSource, dtype: torch.dtype, device: torch.device, s
     else:
         model.init_random(seed)
     model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
-    packed = dtype == torch.bfloat16 and can_pack(device, dtype)
+    packed = linears == "auto" and can_pack(device, dtype)
     if packed:
         model.pack_linears()
     if device.type == "cpu":
-        logger.info("CPU: %s; linears: %s", cpu_features().summary(),
-                    "oneDNN-prepacked bf16" if packed else f"F.linear {str(dtype).removeprefix('torch.')}")
+        logger.info("CPU: %s; linears: %s %s", cpu_features().summary(),
+                    "oneDNN-prepacked" if packed else "F.linear", str(dtype).removeprefix("torch."))
     return model
