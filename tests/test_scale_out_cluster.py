@@ -78,12 +78,11 @@ def test_a_burst_scales_the_engine_up_and_quiet_scales_it_down_without_a_failed_
 
 @contextlib.contextmanager
 def two_node_cluster() -> Iterator[Cluster]:
-    """A head (2 CPUs: the proxy, ingress, tokenizer and one engine) and a worker node (1
-    CPU: room for one engine only), as `ray start --head` and `ray start --address` make
-    them; every process they started has exited afterwards."""
+    """A head and a worker node of 2 CPUs each, as `ray start --head` and `ray start
+    --address` make them; every process they started has exited afterwards."""
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
     try:
-        cluster.add_node(num_cpus=1)
+        cluster.add_node(num_cpus=2)
         ray.init(address=cluster.address, log_to_driver=False)
         yield cluster
     finally:
@@ -97,9 +96,11 @@ def two_node_cluster() -> Iterator[Cluster]:
 
 def test_two_nodes_serve_over_http_with_an_engine_replica_on_each(tiny_gpt2_dir: Path):
     port = free_port()
-    # One CPU per engine replica: the head has room for one beside the rest, the worker for one.
+    # One engine replica per node, as a user spreading engines over machines asks Serve for:
+    # by CPUs alone both could land on the head once the ingress took the worker's spare CPU.
     app = make_app({**app_args(tiny_gpt2_dir), "engine_num_cpus": 1},
-                   {"EngineDeployment": {"num_replicas": 2, "request_router_config": ROUTER}})
+                   {"EngineDeployment": {"num_replicas": 2, "max_replicas_per_node": 1,
+                                         "request_router_config": ROUTER}})
     with two_node_cluster():
         serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
         serve.run(app, name=APP, route_prefix="/")
