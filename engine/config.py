@@ -5,11 +5,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Literal
-
 import torch
 
-WeightsMode = Literal["auto", "pretrained", "random"]
+from engine.loader import WeightsMode, check_weights_mode
 
 _DTYPES = {
     "float32": torch.float32,
@@ -44,8 +42,7 @@ class EngineConfig:
     num_threads: int | None = None  # torch CPU threads; None = every core this process may use
 
     def __post_init__(self) -> None:
-        if self.weights not in ("auto", "pretrained", "random"):
-            raise ValueError(f"weights must be auto, pretrained or random, got {self.weights!r}")
+        check_weights_mode(self.weights)
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
         if not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
