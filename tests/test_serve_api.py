@@ -20,8 +20,8 @@ from deployments.app import build_app
 from deployments.handles import over_grpc
 from deployments.encoding import Encoded, EncodeRequest
 from engine import LLM, SamplingParams
-from loadtest.bench import Workload
-from loadtest.handle import HandleTarget, run_over_handle
+from loadtest.workload import Workload
+from loadtest.handle_target import HandleTarget, run_over_handle
 from tests.serve_helpers import running_app
 
 pytestmark = pytest.mark.serve
