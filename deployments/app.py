@@ -10,6 +10,7 @@ ray_actor_options are left to build_app, which decides its GPU.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal
 
 import ray
@@ -37,7 +38,7 @@ class AppArgs(BaseModel):
     device: str = "auto"  # auto: cuda when the engine replica got a GPU
     seed: int = 0
     engine: dict[str, Any] = Field(default_factory=dict)  # any other EngineConfig field
-    engine_num_cpus: float = 0.5
+    engine_num_cpus: float = 0.5  # also sizes its torch threads: ceil(engine_num_cpus)
     engine_num_gpus: float | Literal["auto"] = "auto"  # auto: 1 if the cluster has a GPU, else 0
     # Past this many engine->ingress chunks a second, tokens are packed several per chunk.
     max_chunks_per_s: float | None = Field(DEFAULT_MAX_CHUNKS_PER_S, gt=0)
@@ -79,9 +80,12 @@ def make_app(args: dict, deployment_options: dict[str, dict] | None = None) -> s
 def engine_config(args: AppArgs, num_gpus: float) -> EngineConfig:
     # A replica without a reserved GPU must not take one it happens to see.
     device = "cpu" if num_gpus == 0 and args.device == "auto" else args.device
+    # Threads sized to the CPUs the replica asked Ray for, so replicas sharing a box do not
+    # oversubscribe it; `engine: {num_threads: N}` overrides.
+    engine = {"num_threads": max(1, math.ceil(args.engine_num_cpus)), **args.engine}
     try:
         return EngineConfig(model=args.model, weights=args.weights, dtype=args.dtype, device=device,
-                            seed=args.seed, **args.engine)
+                            seed=args.seed, **engine)
     except TypeError as error:  # an unknown key in `engine:`
         raise ValueError(f"bad engine args {sorted(args.engine)}: {error}") from None
 

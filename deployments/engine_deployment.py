@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import psutil
 from ray import serve
 
+from deployments.engine_load import EngineLoad
 from deployments.logs import route_logs_to_serve
 from deployments.metrics import EngineMetricsReporter
 from engine import AsyncEngine, EngineConfig, EngineStats, GenerationChunk, ModelInfo, SamplingParams
@@ -51,6 +52,7 @@ class EngineDeployment:
         route_logs_to_serve("engine")
         self._engine = AsyncEngine(config, max_chunks_per_s=max_chunks_per_s)
         self._metrics = EngineMetricsReporter(self._engine.stats)
+        self._num_requests = 0
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[GenerationChunk]:
@@ -58,6 +60,7 @@ class EngineDeployment:
 
         Raises ValueError before the first chunk for a request that can never run.
         """
+        self._num_requests += 1
         async with contextlib.aclosing(self._engine.generate(request_id, prompt_token_ids, params)) as chunks:
             async for chunk in chunks:
                 yield chunk
@@ -68,6 +71,15 @@ class EngineDeployment:
     def status(self) -> EngineStatus:
         return EngineStatus(self._engine.model_info, self._engine.stats(), self._engine.num_active_requests(),
                             self._engine.is_dead, psutil.Process().memory_info().rss)
+
+    async def record_routing_stats(self) -> dict:
+        """For the router (deployments/router.py), polled by Serve; async so it reads the
+        engine's streams on the loop that changes them."""
+        return EngineLoad.of(self._engine, self._num_requests).routing_stats()
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """For EngineLoadPolicy (deployments/autoscaling.py), polled by Serve."""
+        return EngineLoad.of(self._engine, self._num_requests).autoscaling_stats()
 
     def check_health(self) -> None:
         """Serve restarts the replica when this raises: the step loop has died."""

@@ -49,7 +49,8 @@ class TokenizerDeployment:
         param, context = request.param, request.max_model_len
         try:
             check_prompt(token_ids or [], self._vocab_size, param)
-            max_tokens = request.max_tokens if request.max_tokens is not None else context - len(token_ids)
+            # None: the rest of the context, at least one token (none left: no room to generate).
+            max_tokens = request.max_tokens if request.max_tokens is not None else max(context - len(token_ids), 1)
             check_context(len(token_ids), max_tokens, context, param)
         except InvalidRequestError as error:
             return EncodeError(str(error), error.param, error.code)

@@ -14,16 +14,16 @@ def has_waiting_bounds(config: EngineConfig) -> bool:
     return config.max_waiting_requests is not None or config.max_waiting_tokens is not None
 
 
-def check_waiting_bounds(config: EngineConfig, waiting_prompt_lens: list[int], num_prompt_tokens: int,
+def check_waiting_bounds(config: EngineConfig, num_waiting: int, num_waiting_tokens: int, num_prompt_tokens: int,
                          retry_after_s: float) -> None:
     """Raise EngineOverloadedError if a prompt of num_prompt_tokens may not join the
-    requests waiting now (waiting_prompt_lens: their prompt lengths)."""
+    num_waiting requests (of num_waiting_tokens prompt tokens) waiting now."""
     max_requests, max_tokens = config.max_waiting_requests, config.max_waiting_tokens
-    if max_requests is not None and len(waiting_prompt_lens) >= max_requests:
-        raise EngineOverloadedError(f"{len(waiting_prompt_lens)} requests are already waiting (limit {max_requests})",
+    if max_requests is not None and num_waiting >= max_requests:
+        raise EngineOverloadedError(f"{num_waiting} requests are already waiting (limit {max_requests})",
                                     retry_after_s)
-    queued_tokens = sum(waiting_prompt_lens)
-    if max_tokens is not None and waiting_prompt_lens and queued_tokens + num_prompt_tokens > max_tokens:
+    queued_tokens = num_waiting_tokens
+    if max_tokens is not None and num_waiting and queued_tokens + num_prompt_tokens > max_tokens:
         raise EngineOverloadedError(f"{queued_tokens} prompt tokens are already waiting (limit {max_tokens})",
                                     retry_after_s)
 

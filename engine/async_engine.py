@@ -63,6 +63,18 @@ class AsyncEngine:
     def num_active_requests(self) -> int:
         return len(self._streams)
 
+    def waiting_work(self) -> tuple[int, int]:
+        """Requests admitted but not yet past their first token, and their prompt tokens:
+        what the overload bounds count. Call from the event loop that runs generate."""
+        waiting = [s.num_prompt_tokens for s in self._streams.values() if s.is_waiting]
+        return len(waiting), sum(waiting)
+
+    def waiting_work(self) -> tuple[int, int]:
+        """Requests admitted but not yet past their first token, and their prompt tokens:
+        what the overload bounds count. Call from the event loop that runs generate."""
+        waiting = [s for s in self._streams.values() if s.is_waiting]
+        return len(waiting), sum(s.num_prompt_tokens for s in waiting)
+
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[GenerationChunk]:
         """Stream a request's tokens.
@@ -105,9 +117,8 @@ class AsyncEngine:
         self.check_health()
         check_request_id_free(request_id, self._streams)
         if has_waiting_bounds(self.config):
-            waiting = [s.num_prompt_tokens for s in self._streams.values() if s.is_waiting]
             retry_after = retry_after_s(self.step_loop.stats.num_waiting, self.step_loop.step_rate.per_s)
-            check_waiting_bounds(self.config, waiting, num_prompt_tokens, retry_after)
+            check_waiting_bounds(self.config, *self.waiting_work(), num_prompt_tokens, retry_after)
         stream = self._streams[request_id] = RequestStream(request_id, num_prompt_tokens)
         return stream
 

@@ -5,9 +5,14 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Literal
+
 import torch
 
+from engine.cpu import cpu_features
 from engine.loader import WeightsMode, check_weights_mode
+
+LinearsMode = Literal["auto", "reference"]
 
 _DTYPES = {
     "float32": torch.float32,
@@ -23,8 +28,12 @@ _DTYPES = {
 class EngineConfig:
     model: str = "gpt2"
     weights: WeightsMode = "auto"
-    dtype: str = "auto"  # float32 | bfloat16 | float16 | auto (bf16 where the hardware has it)
+    dtype: str = "auto"  # float32 | bfloat16 | float16 | auto (bf16 where the hardware runs it natively)
     device: str = "auto"  # cpu | cuda | cuda:N | auto (cuda where present)
+    # auto: on CPU, projections and LM head on oneDNN-prepacked weights where the CPU probe
+    # says oneDNN runs this dtype (engine/packed_linear.py); reference: F.linear everywhere,
+    # the path that is token-exact with Hugging Face in fp32.
+    linears: LinearsMode = "auto"
     seed: int = 0
     block_size: int = 16
     # KV pool size: a block count wins over a memory budget; neither means "fit max_num_seqs
@@ -45,6 +54,8 @@ class EngineConfig:
         check_weights_mode(self.weights)
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
+        if self.linears not in ("auto", "reference"):
+            raise ValueError(f"linears must be auto or reference, got {self.linears!r}")
         if not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
         _require_positive("block_size", self.block_size)
@@ -75,7 +86,7 @@ class EngineConfig:
             return _DTYPES[self.dtype]
         if self.torch_device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return torch.bfloat16 if _cpu_has_fast_bf16() else torch.float32
+        return torch.bfloat16 if cpu_features().has_fast_bf16 else torch.float32
 
     @cached_property
     def cpu_threads(self) -> int:
@@ -88,11 +99,3 @@ def _require_positive(name: str, value: int) -> None:
     if not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
-
-def _cpu_has_fast_bf16() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags

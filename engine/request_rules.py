@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Container, Sequence
 
+from engine.sampling_params import SamplingParams
+
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 
 
@@ -33,13 +35,29 @@ def check_prompt(token_ids: Sequence[object], vocab_size: int, param: str = "pro
         raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab_size})", param)
 
 
+def check_params(params: SamplingParams, vocab_size: int) -> None:
+    """What SamplingParams cannot check alone: token ids against the vocabulary, and one
+    sequence per engine request."""
+    if any(t >= vocab_size for t in params.stop_token_ids):
+        raise InvalidRequestError(f"stop_token_ids must be token ids below the vocabulary size {vocab_size}",
+                                  "stop_token_ids")
+    if params.logit_bias and any(t >= vocab_size for t in params.logit_bias):
+        raise InvalidRequestError(f"logit_bias keys must be token ids below the vocabulary size {vocab_size}",
+                                  "logit_bias")
+    if params.num_sequences > 1 or params.best_of is not None:
+        raise InvalidRequestError(f"n ({params.n}) and best_of ({params.best_of}) describe several sequences; "
+                                  "the engine runs one per request: submit each of params.fan_out()", "n")
+
+
 def check_context(num_prompt_tokens: int, max_tokens: int, max_model_len: int, param: str = "prompt") -> None:
+    """Prompt and output within the context (max_tokens 0: the prompt alone, scored)."""
+    if num_prompt_tokens + max_tokens <= max_model_len:
+        return
     if num_prompt_tokens >= max_model_len:
         raise InvalidRequestError(f"{param} is {num_prompt_tokens} tokens, the model's context is {max_model_len}: "
                                   "no room to generate", param, CONTEXT_LENGTH_EXCEEDED)
-    if num_prompt_tokens + max_tokens > max_model_len:
-        raise InvalidRequestError(f"{param} ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds the "
-                                  f"model's context of {max_model_len} tokens", "max_tokens", CONTEXT_LENGTH_EXCEEDED)
+    raise InvalidRequestError(f"{param} ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds the "
+                              f"model's context of {max_model_len} tokens", "max_tokens", CONTEXT_LENGTH_EXCEEDED)
 
 
 def check_kv_blocks(num_tokens: int, block_size: int, num_blocks: int) -> None:

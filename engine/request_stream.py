@@ -16,6 +16,7 @@ import math
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from engine.logprobs import TokenLogprob
 from engine.outputs import ChunkTimings, GenerationChunk, StepOutput
 
 
@@ -31,6 +32,8 @@ class RequestStream:
     num_prompt_tokens: int
     event: asyncio.Event = field(default_factory=asyncio.Event)
     token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
     last: StepOutput | None = None
     error: BaseException | None = None
     is_finished: bool = False
@@ -44,6 +47,10 @@ class RequestStream:
     def push(self, output: StepOutput, min_tokens: int) -> None:
         if output.token_id is not None:
             self.token_ids.append(output.token_id)
+        if output.logprob is not None:
+            self.logprobs.append(output.logprob)
+        if output.prompt_logprobs is not None:
+            self.prompt_logprobs = output.prompt_logprobs
         self.last = output
         self.is_finished = output.finish_reason is not None
         if self.is_finished or self.num_chunks == 0 or len(self.token_ids) >= min_tokens:
@@ -69,7 +76,10 @@ class RequestStream:
     def _take_chunk(self) -> GenerationChunk:
         out = self.last
         token_ids, self.token_ids = self.token_ids, []
+        logprobs, self.logprobs = self.logprobs, []
+        prompt_logprobs, self.prompt_logprobs = self.prompt_logprobs, None
         self.num_chunks += 1
         timings = ChunkTimings.of(out.timings) if self.num_chunks == 1 or self.is_finished else None
         return GenerationChunk(self.request_id, token_ids, out.finish_reason if self.is_finished else None,
-                               out.num_prompt_tokens, timings)
+                               out.num_prompt_tokens, timings, logprobs if out.cumulative_logprob is not None else None,
+                               out.cumulative_logprob, prompt_logprobs)
