@@ -24,10 +24,20 @@ def source_files(packages: tuple[str, ...] = FLOORS) -> list[Path]:
     return sorted(p for package in packages for p in (ROOT / package).rglob("*.py"))
 
 
+def runtime_nodes(tree: ast.AST) -> Iterator[ast.AST]:
+    """Every node, at any depth, but those under `if TYPE_CHECKING:` (annotations only:
+    never imported when the code runs)."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            continue
+        yield node
+        yield from runtime_nodes(node)
+
+
 def project_imports(path: Path) -> Iterator[tuple[str, list[str], int]]:
-    """(module, names imported from it, line) for every import of this project's code,
-    at any depth (imports inside functions count too)."""
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+    """(module, names imported from it, line) for every import of this project's code that
+    runs, at any depth (imports inside functions count too)."""
+    for node in runtime_nodes(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             modules = [node.module]
             names = [alias.name for alias in node.names]
