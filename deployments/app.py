@@ -23,6 +23,7 @@ from deployments.http_body import DEFAULT_MAX_BODY_BYTES
 from deployments.ingress import Ingress
 from deployments.tokenizer_deployment import TokenizerDeployment
 from engine import EngineConfig
+from engine.loader import WeightsMode
 
 
 class AppArgs(BaseModel):
@@ -32,7 +33,7 @@ class AppArgs(BaseModel):
 
     model: str = "gpt2"  # a Hugging Face id or a local checkpoint directory
     served_model_name: str | None = None  # the `model` in API responses; defaults to `model`
-    weights: Literal["auto", "pretrained", "random"] = "auto"
+    weights: WeightsMode = "auto"
     dtype: str = "auto"  # auto: bf16 on GPUs and on CPUs with fast bf16, else fp32
     device: str = "auto"  # auto: cuda when the engine replica got a GPU
     seed: int = 0

@@ -33,9 +33,9 @@ class EngineStatus:
 
 FAULT_INJECTION_ENV = "RAYINFER_ENABLE_FAULT_INJECTION"  # "1" only in tests
 
-# Every chunk streamed to the ingress costs CPU in three processes (~0.4 ms in all on this
-# class of machine); past this many chunks a second across all streams, the engine packs
-# several tokens per chunk (see engine/async_engine.py). The first token is never held.
+# Every chunk streamed to the ingress costs CPU in three processes (BENCHMARKS.md); past
+# this many chunks a second across all streams, the engine packs several tokens per chunk
+# (engine/request_stream.py). The first token is never held.
 DEFAULT_MAX_CHUNKS_PER_S = 300.0
 
 
@@ -68,9 +68,6 @@ class EngineDeployment:
     def model_info(self) -> ModelInfo:
         return self._engine.model_info
 
-    def stats(self) -> EngineStats:
-        return self._engine.stats()
-
     def status(self) -> EngineStatus:
         return EngineStatus(self._engine.model_info, self._engine.stats(), self._engine.num_active_requests(),
                             self._engine.is_dead, psutil.Process().memory_info().rss)
@@ -88,16 +85,16 @@ class EngineDeployment:
         """Serve restarts the replica when this raises: the step loop has died."""
         self._engine.check_health()
 
+    async def check_integrity(self) -> None:
+        """Raises AssertionError if the KV pool's invariants fail (tests' leak checks)."""
+        await self._engine.check_integrity()
+
     def inject_fault_for_tests(self) -> None:
         """Crash the step loop at its next step, as a bug in the model would. Refused
         unless the replica's environment has RAYINFER_ENABLE_FAULT_INJECTION=1."""
         if os.environ.get(FAULT_INJECTION_ENV) != "1":
             raise PermissionError(f"fault injection is off (set {FAULT_INJECTION_ENV}=1 in tests only)")
-
-        def crashing_step() -> list:
-            raise RuntimeError("fault injected by a test")
-
-        self._engine.engine.step = crashing_step  # the loop thread looks it up each step
+        self._engine.inject_fault(RuntimeError("fault injected by a test"))
 
     def __del__(self) -> None:
         metrics = getattr(self, "_metrics", None)

@@ -100,6 +100,9 @@ class BlockManager:
         self.num_prefix_queried_tokens += num_tokens
         self.num_prefix_hit_tokens += num_hit_tokens
 
+    def reset_prefix_stats(self) -> None:
+        self.num_prefix_queried_tokens = self.num_prefix_hit_tokens = 0
+
     def allocate(self, seq: Sequence, num_tokens: int) -> None:
         """Grow seq's block table to hold num_tokens tokens."""
         num_needed = self.num_new_blocks_needed(seq, num_tokens)

@@ -10,8 +10,8 @@ from typing import Literal
 import torch
 
 from engine.cpu import cpu_features
+from engine.loader import WeightsMode, check_weights_mode
 
-WeightsMode = Literal["auto", "pretrained", "random"]
 LinearsMode = Literal["auto", "reference"]
 
 _DTYPES = {
@@ -51,8 +51,7 @@ class EngineConfig:
     num_threads: int | None = None  # torch CPU threads; None = every core this process may use
 
     def __post_init__(self) -> None:
-        if self.weights not in ("auto", "pretrained", "random"):
-            raise ValueError(f"weights must be auto, pretrained or random, got {self.weights!r}")
+        check_weights_mode(self.weights)
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
         if self.linears not in ("auto", "reference"):

@@ -17,6 +17,7 @@ from engine.model_runner import ModelOutput, ModelRunner
 from engine.models.gpt2 import GPT2LMHead
 from engine.packed_linear import can_pack
 from engine.outputs import EngineStats, ModelInfo, StepOutput
+from engine.request_rules import check_context, check_kv_blocks, check_params, check_prompt, check_request_id_free
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence
@@ -55,32 +56,15 @@ class LLMEngine:
                     num_blocks, config.block_size)
 
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise ValueError if the request can never run. Pure: safe from any thread."""
-        if not prompt_token_ids:
-            raise ValueError("prompt must contain at least one token")
-        vocab_size = self.model_info.vocab_size
-        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size for t in prompt_token_ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab_size})")
-        _check_token_ids_in_vocab(params, vocab_size)
-        if params.num_sequences > 1 or params.best_of is not None:
-            raise ValueError(f"n ({params.n}) and best_of ({params.best_of}) describe several sequences; "
-                             "the engine runs one per request: submit each of params.fan_out()")
-        total = len(prompt_token_ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise ValueError(
-                f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
-                f"exceeds the model's context of {self.max_model_len} tokens"
-            )
-        num_blocks = -(-total // self.config.block_size)
-        if num_blocks > self.block_manager.num_blocks:
-            raise ValueError(
-                f"request needs {num_blocks} KV blocks but the cache holds {self.block_manager.num_blocks}; "
-                "lower max_tokens or raise num_kv_blocks"
-            )
+        """Raise InvalidRequestError (a ValueError) if the request can never run."""
+        check_prompt(prompt_token_ids, self.model_info.vocab_size)
+        check_params(params, self.model_info.vocab_size)
+        check_context(len(prompt_token_ids), params.max_tokens, self.max_model_len)
+        check_kv_blocks(len(prompt_token_ids) + params.max_tokens, self.config.block_size,
+                        self.block_manager.num_blocks)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        if request_id in self._seqs:
-            raise ValueError(f"request id {request_id!r} is already in use")
+        check_request_id_free(request_id, self._seqs)
         self.validate_request(prompt_token_ids, params)
         seq = Sequence(request_id, prompt_token_ids, params, self.config.block_size, self.eos_token_id)
         if params.seed is not None:
@@ -104,7 +88,7 @@ class LLMEngine:
         while self.has_unfinished_requests():
             self.step()
         self._num_prompt_tokens = self._num_generated_tokens = 0
-        self.block_manager.num_prefix_queried_tokens = self.block_manager.num_prefix_hit_tokens = 0
+        self.block_manager.reset_prefix_stats()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._seqs)
@@ -138,7 +122,7 @@ class LLMEngine:
         self._num_generated_tokens += 1
         seq.finish_reason = self._finish_reason(seq, token)
         if seq.finish_reason is not None:
-            self._finish(seq, now)
+            self._finish(seq)
         return self._output(seq, token, logprob, is_first)
 
     def _finish_prompt_only(self, seq: Sequence, now: float) -> StepOutput:
@@ -146,7 +130,7 @@ class LLMEngine:
         seq.timings.first_token = now
         self._num_prompt_tokens += seq.num_prompt_tokens
         seq.finish_reason = "length"
-        self._finish(seq, now)
+        self._finish(seq)
         return self._output(seq, None, None, is_first=True)
 
     def _output(self, seq: Sequence, token: int | None, logprob: TokenLogprob | None, is_first: bool) -> StepOutput:
@@ -161,8 +145,7 @@ class LLMEngine:
             return "length"
         return None
 
-    def _finish(self, seq: Sequence, now: float) -> None:
-        seq.timings.finished = now
+    def _finish(self, seq: Sequence) -> None:
         self.scheduler.remove(seq)
         del self._seqs[seq.request_id]
 
@@ -189,13 +172,6 @@ class LLMEngine:
             return max(int(config.kv_cache_memory_gb * 2**30 // per_block), 1)
         enough = config.max_num_seqs * -(-self.max_model_len // config.block_size)
         return max(min(enough, int(_default_kv_budget(config.torch_device) // per_block)), 1)
-
-
-def _check_token_ids_in_vocab(params: SamplingParams, vocab_size: int) -> None:
-    if any(t >= vocab_size for t in params.stop_token_ids):
-        raise ValueError(f"stop_token_ids must be token ids below the vocabulary size {vocab_size}")
-    if params.logit_bias and any(t >= vocab_size for t in params.logit_bias):
-        raise ValueError(f"logit_bias keys must be token ids below the vocabulary size {vocab_size}")
 
 
 def _default_kv_budget(device: torch.device) -> float:

@@ -1,4 +1,4 @@
-"""What the engine hands out: per-step outputs, model info and stats."""
+"""What the engine hands out: per-step outputs, stream chunks and their timings, model info, stats."""
 
 from __future__ import annotations
 
@@ -70,3 +70,35 @@ class EngineStats:
     @property
     def kv_cache_usage(self) -> float:
         return self.num_kv_blocks_used / max(self.num_kv_blocks_total, 1)
+
+
+@dataclass(frozen=True)
+class ChunkTimings:
+    """Where a request's time to first token went, in seconds, measured in the engine."""
+
+    queue_wait_s: float  # arrival -> first scheduled
+    prefill_s: float  # first scheduled -> first token
+    ttft_s: float  # arrival -> first token
+
+    @classmethod
+    def of(cls, timings: RequestTimings) -> ChunkTimings | None:
+        """None until the request has its first token."""
+        if timings.first_token is None or timings.first_scheduled is None:
+            return None
+        return cls(timings.queue_wait_s, timings.prefill_s, timings.ttft_s)
+
+
+@dataclass(frozen=True)
+class GenerationChunk:
+    """Every token of one request that was ready since the consumer's last chunk."""
+
+    request_id: str
+    token_ids: list[int]
+    finish_reason: str | None  # set on the last chunk
+    num_prompt_tokens: int
+    timings: ChunkTimings | None = None  # on the first and the last chunk
+    # Where params.logprobs is set: one per token_ids entry, and the output's total so far.
+    logprobs: list[TokenLogprob] | None = None
+    cumulative_logprob: float | None = None
+    # On the first chunk, where params.prompt_logprobs is set: one per prompt token, the first None.
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None

@@ -2,7 +2,7 @@
 
 Fields follow OpenAI's and vLLM's definitions. Every rule that needs only the parameters
 lives here; the rules that need the model (token ids below the vocabulary size, prompt +
-max_tokens within the context) live in LLMEngine.validate_request.
+max_tokens within the context) live in engine/request_rules.py.
 """
 
 from __future__ import annotations

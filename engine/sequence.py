@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -26,7 +26,6 @@ class RequestTimings:
     arrival: float
     first_scheduled: float | None = None
     first_token: float | None = None
-    finished: float | None = None
 
     @property
     def queue_wait_s(self) -> float | None:
@@ -96,10 +95,6 @@ class Sequence:
     @property
     def num_blocks(self) -> int:
         return len(self.block_table)
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status is SequenceStatus.FINISHED
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
