@@ -23,8 +23,10 @@ from typing import Literal
 import httpx
 import ray
 
-from loadtest.bench import BenchConfig, BenchResult, Target, Workload, send_request, summarize_run
+from loadtest.http_target import Target, send_request
 from loadtest.prompts import make_prompt
+from loadtest.results import BenchResult, RunInfo, summarize_run
+from loadtest.workload import Workload
 
 Kind = Literal["shared", "hot", "free"]
 
@@ -91,7 +93,7 @@ async def _run_http(target: Target, workload: PrefixWorkload) -> BenchResult:
         started = time.perf_counter()
         records = await asyncio.gather(*(one(client, prompt) for prompt in workload.prompts()))
         duration = time.perf_counter() - started
-    return summarize_run(BenchConfig(target, bench_workload, show_progress=False), list(records), duration)
+    return summarize_run(RunInfo(target.label, target.url, target.api), bench_workload, list(records), duration)
 
 
 @dataclass(frozen=True)

@@ -25,8 +25,9 @@ import yaml
 from ray import serve
 
 from deployments.app import make_app
-from loadtest.bench import BenchResult, Target
+from loadtest.http_target import Target
 from loadtest.prefix_workloads import LoadSampler, PrefixWorkload, ReplicaCounts, engine_replica_counts, run_http
+from loadtest.results import BenchResult
 
 SERVE_DEFAULT_ROUTER = "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter"
 SETUPS = ("prefix-router", "serve-default", "one-replica")
