@@ -15,13 +15,12 @@ from collections.abc import Iterable
 
 import httpx
 import ray
-from prometheus_client.parser import text_string_to_metric_families
-from prometheus_client.registry import Collector
-from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
-from prometheus_client.registry import CollectorRegistry
+from prometheus_client.exposition import generate_latest
 from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import Collector, CollectorRegistry
 
-CONTENT_TYPE = CONTENT_TYPE_LATEST
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"  # the text format Ray's agents serve
 _SCRAPE_TIMEOUT_S = 5.0
 
 
