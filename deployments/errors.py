@@ -100,7 +100,14 @@ def invalid_body(errors: Sequence[Any], skip: int = 0) -> ApiError:
     error = max(errors, key=lambda e: len(e.get("loc", ())))
     loc = list(error.get("loc", ()))[skip:]
     param = loc[0] if loc and isinstance(loc[0], str) else None
-    # Keep list indices, drop pydantic's union-member tags ("str", "list[int]", ...).
-    where = ".".join(str(part) for i, part in enumerate(loc) if i == 0 or isinstance(part, int))
+    # Keep field names and list indices, drop pydantic's union-member tags ("str", "list[int]", ...).
+    where = ".".join(str(part) for i, part in enumerate(loc) if i == 0 or _is_path_part(part))
     message = _MESSAGES.get(error.get("type"), error["msg"])
     return ApiError(400, f"{where}: {message}" if where else message, param=param)
+
+
+def _is_path_part(part: Any) -> bool:
+    return isinstance(part, int) or (str(part).isidentifier() and part not in _TYPE_TAGS)
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
