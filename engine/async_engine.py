@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from engine.config import EngineConfig
 from engine.heap import trim_heap
 from engine.llm_engine import LLMEngine
+from engine.logprobs import TokenLogprob
 from engine.outputs import EngineDeadError, EngineOverloadedError, EngineStats, ModelInfo, StepOutput
 from engine.sampling_params import SamplingParams
 
@@ -54,6 +55,11 @@ class GenerationChunk:
     # Server-side breakdown in seconds, on the first and the last chunk:
     # queue_wait_s (arrival -> first scheduled), prefill_s (-> first token), ttft_s.
     timings: dict[str, float] | None = None
+    # Where params.logprobs is set: one per token_ids entry, and the output's total so far.
+    logprobs: list[TokenLogprob] | None = None
+    cumulative_logprob: float | None = None
+    # On the first chunk, where params.prompt_logprobs is set: one per prompt token, the first None.
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
 
 @dataclass
@@ -61,6 +67,8 @@ class _Stream:
     num_prompt_tokens: int
     event: asyncio.Event = field(default_factory=asyncio.Event)
     token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
     last: StepOutput | None = None
     error: BaseException | None = None
     finished: bool = False
@@ -74,6 +82,10 @@ class _Stream:
     def push(self, output: StepOutput, min_tokens: int) -> None:
         if output.token_id is not None:
             self.token_ids.append(output.token_id)
+        if output.logprob is not None:
+            self.logprobs.append(output.logprob)
+        if output.prompt_logprobs is not None:
+            self.prompt_logprobs = output.prompt_logprobs
         self.last = output
         self.finished = output.finish_reason is not None
         if self.finished or self.num_chunks == 0 or len(self.token_ids) >= min_tokens:
@@ -86,10 +98,14 @@ class _Stream:
     def take_chunk(self, request_id: str) -> GenerationChunk:
         out = self.last
         token_ids, self.token_ids = self.token_ids, []
+        logprobs, self.logprobs = self.logprobs, []
+        prompt_logprobs, self.prompt_logprobs = self.prompt_logprobs, None
         self.num_chunks += 1
         timings = _timings(out) if self.num_chunks == 1 or self.finished else None
         return GenerationChunk(request_id, token_ids, out.finish_reason if self.finished else None,
-                               out.num_prompt_tokens, out.num_cached_tokens, timings)
+                               out.num_prompt_tokens, out.num_cached_tokens, timings,
+                               logprobs if out.cumulative_logprob is not None else None,
+                               out.cumulative_logprob, prompt_logprobs)
 
 
 class AsyncEngine:

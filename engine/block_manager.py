@@ -70,10 +70,12 @@ class BlockManager:
         """Give a fresh sequence the cached blocks of its longest cached prefix.
 
         Returns the number of tokens covered. The last token is always left to compute:
-        its logits are what the sequence samples from.
+        its logits are what the sequence samples from. A sequence still scoring its prompt
+        (prompt_logprobs) takes no cached blocks: a hit would skip the forward that yields
+        those positions' logits (vLLM does the same). It still shares its blocks once computed.
         """
         assert not seq.block_table, "prefix lookup is for sequences holding no blocks"
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or seq.needs_prompt_logprobs:
             return 0
         prev_hash: int | None = None
         for index in range((seq.num_tokens - 1) // self.block_size):

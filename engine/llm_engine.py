@@ -12,7 +12,8 @@ from engine.config import EngineConfig
 from engine.cpu import cpu_features
 from engine.heap import limit_onednn_caches
 from engine.loader import ModelSource, load_state_dict, resolve_model
-from engine.model_runner import ModelRunner
+from engine.logprobs import TokenLogprob
+from engine.model_runner import ModelOutput, ModelRunner
 from engine.models.gpt2 import GPT2LMHead
 from engine.packed_linear import can_pack
 from engine.outputs import EngineStats, ModelInfo, StepOutput
@@ -60,6 +61,10 @@ class LLMEngine:
         vocab_size = self.model_info.vocab_size
         if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size for t in prompt_token_ids):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab_size})")
+        _check_token_ids_in_vocab(params, vocab_size)
+        if params.num_sequences > 1 or params.best_of is not None:
+            raise ValueError(f"n ({params.n}) and best_of ({params.best_of}) describe several sequences; "
+                             "the engine runs one per request: submit each of params.fan_out()")
         total = len(prompt_token_ids) + params.max_tokens
         if total > self.max_model_len:
             raise ValueError(
@@ -77,7 +82,7 @@ class LLMEngine:
         if request_id in self._seqs:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.validate_request(prompt_token_ids, params)
-        seq = Sequence(request_id, prompt_token_ids, params, self.config.block_size)
+        seq = Sequence(request_id, prompt_token_ids, params, self.config.block_size, self.eos_token_id)
         if params.seed is not None:
             seq.generator = torch.Generator(device=self.config.torch_device).manual_seed(params.seed)
         self._seqs[request_id] = seq
@@ -108,33 +113,51 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
-        sampled_seqs, tokens = self.runner.run(batch)
-        return self._postprocess(batch, sampled_seqs, tokens)
+        return self._postprocess(batch, self.runner.run(batch))
 
-    def _postprocess(self, batch: ScheduledBatch, sampled_seqs: list[Sequence], tokens: list[int]) -> list[StepOutput]:
+    def _postprocess(self, batch: ScheduledBatch, output: ModelOutput) -> list[StepOutput]:
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += num_new
             self.block_manager.commit_full_blocks(seq)
+        for seq, logprobs in output.prompt_logprobs:
+            seq.prompt_logprobs.extend(logprobs)
         now = time.monotonic()
-        outputs = []
-        for seq, token in zip(sampled_seqs, tokens):
-            seq.token_ids.append(token)
-            if seq.timings.first_token is None:
-                seq.timings.first_token = now
-                self._num_prompt_tokens += seq.num_prompt_tokens
-            self._num_generated_tokens += 1
-            seq.finish_reason = self._finish_reason(seq, token)
-            if seq.finish_reason is not None:
-                self._finish(seq, now)
-            outputs.append(StepOutput(seq.request_id, token, seq.finish_reason, seq.num_prompt_tokens,
-                                      seq.num_cached_tokens, seq.timings))
+        outputs = [self._append(seq, token, logprob, now)
+                   for seq, token, logprob in zip(output.sampled, output.token_ids, output.logprobs)]
+        for seq in batch.seqs:
+            if seq.params.max_tokens == 0 and seq.num_computed_tokens == seq.num_tokens:
+                outputs.append(self._finish_prompt_only(seq, now))
         return outputs
 
+    def _append(self, seq: Sequence, token: int, logprob: TokenLogprob | None, now: float) -> StepOutput:
+        seq.append_token(token, logprob)
+        is_first = seq.timings.first_token is None
+        if is_first:
+            seq.timings.first_token = now
+            self._num_prompt_tokens += seq.num_prompt_tokens
+        self._num_generated_tokens += 1
+        seq.finish_reason = self._finish_reason(seq, token)
+        if seq.finish_reason is not None:
+            self._finish(seq, now)
+        return self._output(seq, token, logprob, is_first)
+
+    def _finish_prompt_only(self, seq: Sequence, now: float) -> StepOutput:
+        """A prompt-only request (max_tokens 0): done once its prompt is scored."""
+        seq.timings.first_token = now
+        self._num_prompt_tokens += seq.num_prompt_tokens
+        seq.finish_reason = "length"
+        self._finish(seq, now)
+        return self._output(seq, None, None, is_first=True)
+
+    def _output(self, seq: Sequence, token: int | None, logprob: TokenLogprob | None, is_first: bool) -> StepOutput:
+        prompt_logprobs = tuple(seq.prompt_logprobs) if is_first and seq.prompt_logprobs is not None else None
+        return StepOutput(seq.request_id, token, seq.finish_reason, seq.num_prompt_tokens, seq.num_cached_tokens,
+                          seq.timings, logprob, seq.cumulative_logprob, prompt_logprobs)
+
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
-        params = seq.params
-        if (token == self.eos_token_id and not params.ignore_eos) or token in params.stop_token_ids:
+        if token in seq.stop_token_ids:
             return "stop"
-        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+        if seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
         return None
 
@@ -165,6 +188,13 @@ class LLMEngine:
             return max(int(config.kv_cache_memory_gb * 2**30 // per_block), 1)
         enough = config.max_num_seqs * -(-self.max_model_len // config.block_size)
         return max(min(enough, int(_default_kv_budget(config.torch_device) // per_block)), 1)
+
+
+def _check_token_ids_in_vocab(params: SamplingParams, vocab_size: int) -> None:
+    if any(t >= vocab_size for t in params.stop_token_ids):
+        raise ValueError(f"stop_token_ids must be token ids below the vocabulary size {vocab_size}")
+    if params.logit_bias and any(t >= vocab_size for t in params.logit_bias):
+        raise ValueError(f"logit_bias keys must be token ids below the vocabulary size {vocab_size}")
 
 
 def _default_kv_budget(device: torch.device) -> float:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.logprobs import TokenLogprob
 from engine.sequence import RequestTimings
 
 
@@ -24,7 +25,10 @@ class EngineOverloadedError(RuntimeError):
 
 @dataclass(frozen=True, slots=True)
 class StepOutput:
-    """One request's result from one engine step: a new token, a finish, or both."""
+    """One request's result from one engine step: a new token, a finish, or both.
+
+    A prompt-only request (max_tokens=0 with prompt_logprobs) has one output: no token,
+    finish_reason "length". Logprobs: see engine/logprobs.py for what they are."""
 
     request_id: str
     token_id: int | None
@@ -32,6 +36,11 @@ class StepOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     timings: RequestTimings
+    logprob: TokenLogprob | None = None  # of token_id, where params.logprobs is set
+    cumulative_logprob: float | None = None  # of the output so far, where params.logprobs is set
+    # On the request's first output only, where params.prompt_logprobs is set: one entry per
+    # prompt token, the first None (it has no prefix).
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
 
 @dataclass(frozen=True)

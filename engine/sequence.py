@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.logits_controls import TokenCounts
+from engine.logprobs import TokenLogprob
 from engine.sampling_params import SamplingParams
 
 
@@ -43,7 +45,8 @@ class RequestTimings:
 
 
 class Sequence:
-    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, block_size: int):
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, block_size: int,
+                 eos_token_id: int | None = None):
         self.request_id = request_id
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
@@ -57,6 +60,14 @@ class Sequence:
         self.finish_reason: str | None = None
         self.timings = RequestTimings(arrival=time.monotonic())
         self.generator: torch.Generator | None = None  # per-request RNG when seeded
+        # The tokens that end this sequence; min_tokens keeps them from being sampled.
+        eos = () if eos_token_id is None or params.ignore_eos else (eos_token_id,)
+        self.stop_token_ids: tuple[int, ...] = tuple(dict.fromkeys(eos + params.stop_token_ids))
+        self.token_counts: TokenCounts | None = None  # for penalties, built on first use
+        # Logprobs, where the request asks for them: of each prompt token given its prefix
+        # (the first has none), filled in as prefill chunks compute them; of the output so far.
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None if params.prompt_logprobs is None else [None]
+        self.cumulative_logprob: float | None = None if params.logprobs is None else 0.0
 
     @property
     def num_tokens(self) -> int:
@@ -69,6 +80,18 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Still has prompt positions whose logprobs are to be computed."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
+
+    def append_token(self, token_id: int, logprob: TokenLogprob | None) -> None:
+        self.token_ids.append(token_id)
+        if self.token_counts is not None:
+            self.token_counts.add(token_id)
+        if logprob is not None:
+            self.cumulative_logprob += logprob.logprob
 
     @property
     def num_blocks(self) -> int:
