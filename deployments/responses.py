@@ -5,12 +5,15 @@ SSE framing of the streamed chunks is deployments/sse.py."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from deployments.errors import as_api_error
-from deployments.generation import ChoiceDelta, Generation
+from deployments.generation import ChoiceDelta, Generation, LogprobsFormat
+from deployments.openai_logprobs import CompletionLogprobs, chat_logprobs
+from engine.detokenizer import TokenVocab
 
 logger = logging.getLogger("ray.serve")
 
@@ -33,6 +36,14 @@ def chat_choice(index: int, text: str, finish_reason: str | None, logprobs: dict
             "finish_reason": finish_reason}
 
 
+def completion_logprobs(vocab: TokenVocab, num_top: int) -> LogprobsFormat:
+    return CompletionLogprobs(vocab, num_top).format  # one per choice: it counts text_offset
+
+
+def chat_logprobs_format(vocab: TokenVocab, num_top: int) -> LogprobsFormat:
+    return functools.partial(chat_logprobs, vocab, num_top)
+
+
 @dataclass(frozen=True)
 class OpenAIFormat:
     object: str  # of the non-stream body
@@ -40,10 +51,13 @@ class OpenAIFormat:
     id_prefix: str
     chunk_choice: Callable[[ChoiceDelta, bool], dict]
     choice: Callable[[int, str, str | None, dict | None], dict]
+    logprobs: Callable[[TokenVocab, int], LogprobsFormat]  # a choice's logprobs formatter
 
 
-COMPLETIONS = OpenAIFormat("text_completion", "text_completion", "cmpl-", completion_chunk_choice, completion_choice)
-CHAT = OpenAIFormat("chat.completion", "chat.completion.chunk", "chatcmpl-", chat_chunk_choice, chat_choice)
+COMPLETIONS = OpenAIFormat("text_completion", "text_completion", "cmpl-", completion_chunk_choice,
+                           completion_choice, completion_logprobs)
+CHAT = OpenAIFormat("chat.completion", "chat.completion.chunk", "chatcmpl-", chat_chunk_choice, chat_choice,
+                    chat_logprobs_format)
 
 
 @dataclass

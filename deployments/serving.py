@@ -11,7 +11,6 @@ after the stream has started, a final SSE error event and `[DONE]`.
 from __future__ import annotations
 
 import asyncio
-import functools
 import importlib.metadata
 import time
 import uuid
@@ -29,8 +28,7 @@ from deployments.generation import Choice, Generation, ServerTiming, choice_delt
 from deployments.http_body import BodyT, read_json_body
 from deployments import prometheus
 from deployments.protocol import DetokenizeBody, GenerateBody, OpenAIBody, TokenizeBody
-from deployments.openai_logprobs import CompletionLogprobs, chat_logprobs
-from deployments.responses import COMPLETIONS, OpenAIFormat, collect, openai_body, text_stream
+from deployments.responses import OpenAIFormat, collect, openai_body, text_stream
 from deployments.security import ApiKeys
 from deployments.sse import sse_events
 from deployments.streams import merge, prepend
@@ -69,10 +67,7 @@ class Serving:
                seed_offset: int) -> Choice:
         """Choice `index` (prompt-major: prompt i's n choices are i*n .. i*n + n - 1, as OpenAI)."""
         params = body.choice_params(encoded.max_tokens, seed_offset)
-        logprobs = None
-        if params.logprobs is not None:
-            logprobs = (CompletionLogprobs(self.vocab, params.logprobs).format if fmt is COMPLETIONS
-                        else functools.partial(chat_logprobs, self.vocab, params.logprobs))
+        logprobs = None if params.logprobs is None else fmt.logprobs(self.vocab, params.logprobs)
         return Choice(index, f"{request_id}-{index}", encoded.token_ids, params,
                       echo=bool(getattr(body, "echo", False)), include_stop_str=body.include_stop_str_in_output,
                       format_logprobs=logprobs)

@@ -16,6 +16,7 @@ import torch
 import transformers
 
 from deployments.app import build_app
+from engine import LLM, SamplingParams
 from tests.serve_helpers import running_app
 
 pytestmark = pytest.mark.serve
@@ -43,6 +44,11 @@ def http(base_url: str) -> Iterator[httpx.Client]:
 @pytest.fixture(scope="module")
 def oai(base_url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def offline_llm(tiny_gpt2_dir: Path) -> LLM:
+    return LLM(str(tiny_gpt2_dir), dtype="float32", **ENGINE_ARGS)
 
 
 @pytest.fixture(scope="module")
@@ -235,7 +241,7 @@ def test_chat_logprobs_have_token_logprob_bytes_and_top_logprobs(oai: openai.Ope
         content = response.choices[0].logprobs.content
     assert len(content) == 4
     for entry in content:
-        assert entry.logprob <= 0 and entry.bytes == list(entry.token.encode())
+        assert entry.logprob <= 0 and bytes(entry.bytes).decode("utf-8", "replace") == entry.token
         assert len(entry.top_logprobs) == 2
         assert entry.top_logprobs[0].token == entry.token  # greedy: the sampled token is the best
         assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)
@@ -268,14 +274,17 @@ def test_logit_bias_forces_and_bans_tokens(oai: openai.OpenAI, gpt2_tokenizer) -
 
 
 @pytest.mark.parametrize("fields", [
-    {"presence_penalty": 2.0}, {"frequency_penalty": 2.0}, {"repetition_penalty": 2.0},
+    {"presence_penalty": 2.0}, {"frequency_penalty": -1.5}, {"repetition_penalty": 1.8}, {"min_p": 0.05},
+    {"logit_bias": {"262": 3.5, "13": -2}}, {"presence_penalty": 1.0, "frequency_penalty": 0.5, "min_tokens": 3},
 ])
-def test_penalties_stop_a_greedy_loop_repeating_tokens(oai: openai.OpenAI, gpt2_tokenizer, fields: dict) -> None:
-    prompt = "the the the the the the the the"
-    plain = greedy_ids(oai, gpt2_tokenizer, prompt, 12)
-    penalized = greedy_ids(oai, gpt2_tokenizer, prompt, 12, **fields)
-    assert penalized != plain
-    assert len(set(penalized)) > len(set(plain))
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 1.0, "seed": 11}])
+def test_sampling_controls_reach_the_engine_as_the_offline_llm_takes_them(
+        oai: openai.OpenAI, tiny_gpt2_dir: Path, offline_llm, fields: dict, sampling: dict) -> None:
+    """The engine's own tests check what each control does; here: the HTTP fields arrive intact."""
+    served = complete(oai, PROMPTS[0], max_tokens=10, **NO_EOS, **sampling, **fields).choices[0].text
+    bias = {int(k): v for k, v in fields.get("logit_bias", {}).items()} or None
+    params = SamplingParams(max_tokens=10, ignore_eos=True, **sampling, **(fields | {"logit_bias": bias}))
+    assert served == offline_llm.generate([PROMPTS[0]], params)[0].text
 
 
 def test_min_p_1_keeps_only_the_most_likely_token(oai: openai.OpenAI) -> None:
@@ -442,3 +451,15 @@ def test_stream_options_without_stream_is_a_400(http: httpx.Client) -> None:
     response = http.post("/v1/completions", json=body)
     assert response.status_code == 400, response.text
     assert json.loads(response.text)["error"]["param"] == "stream_options"
+
+
+def test_lm_evals_generate_until_request_shape(http: httpx.Client, gpt2_tokenizer, offline_llm) -> None:
+    """local-completions' generate_until payload, byte for byte as lm-eval 0.4 builds it."""
+    ids = [gpt2_tokenizer.encode(p) for p in PROMPTS]
+    body = {"prompt": ids, "model": "tiny", "max_tokens": 12, "temperature": 0,
+            "stop": ["\n\n", "<|endoftext|>"], "seed": 1234}
+    response = http.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    texts = {c["index"]: c["text"] for c in response.json()["choices"]}  # lm-eval reads them by index
+    expected = offline_llm.generate(ids, SamplingParams(max_tokens=12, temperature=0, stop=["\n\n", "<|endoftext|>"]))
+    assert [texts[0], texts[1]] == [e.text for e in expected]
