@@ -17,10 +17,10 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 
-from deployments.engine import DEFAULT_MAX_CHUNKS_PER_S, EngineDeployment
+from deployments.engine_deployment import DEFAULT_MAX_CHUNKS_PER_S, EngineDeployment
+from deployments.http_body import DEFAULT_MAX_BODY_BYTES
 from deployments.ingress import Ingress
-from deployments.protocol import DEFAULT_MAX_BODY_BYTES
-from deployments.tokenizer import TokenizerDeployment
+from deployments.tokenizer_deployment import TokenizerDeployment
 from engine import EngineConfig
 
 

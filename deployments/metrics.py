@@ -8,6 +8,7 @@ records its own series; Prometheus sums them across replicas.
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable
 
 from ray.util.metrics import Counter, Gauge, Histogram
@@ -17,6 +18,7 @@ from engine.outputs import EngineStats
 _LATENCY_BUCKETS_S = [0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30, 60]
 _TPOT_BUCKETS_S = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28]
 _BATCH_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128]
+_ENGINE_METRICS_PERIOD_S = 1.0
 
 
 class RequestMetrics:
@@ -76,6 +78,25 @@ class EngineMetrics:
         if stats.num_preemptions > self._last_preemptions:
             self.preemptions.inc(stats.num_preemptions - self._last_preemptions)
             self._last_preemptions = stats.num_preemptions
+
+
+class EngineMetricsReporter:
+    """Samples the engine's stats into EngineMetrics once a second, from its own thread."""
+
+    def __init__(self, stats: Callable[[], EngineStats]) -> None:
+        self._stats = stats
+        self._metrics = EngineMetrics()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rayinfer-metrics", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(_ENGINE_METRICS_PERIOD_S):
+            self._metrics.update(self._stats())
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 class TokenizerMetrics:

@@ -16,7 +16,7 @@ import hmac
 import os
 from collections.abc import Iterable
 
-from deployments.protocol import ApiError
+from deployments.errors import ApiError
 
 API_KEYS_ENV = "RAYINFER_API_KEYS"
 

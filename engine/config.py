@@ -9,6 +9,8 @@ from typing import Literal
 
 import torch
 
+from engine.cpu import cpu_features
+
 WeightsMode = Literal["auto", "pretrained", "random"]
 
 _DTYPES = {
@@ -25,7 +27,7 @@ _DTYPES = {
 class EngineConfig:
     model: str = "gpt2"
     weights: WeightsMode = "auto"
-    dtype: str = "auto"  # float32 | bfloat16 | float16 | auto (bf16 where the hardware has it)
+    dtype: str = "auto"  # float32 | bfloat16 | float16 | auto (bf16 where the hardware runs it natively)
     device: str = "auto"  # cpu | cuda | cuda:N | auto (cuda where present)
     seed: int = 0
     block_size: int = 16
@@ -78,7 +80,7 @@ class EngineConfig:
             return _DTYPES[self.dtype]
         if self.torch_device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return torch.bfloat16 if _cpu_has_fast_bf16() else torch.float32
+        return torch.bfloat16 if cpu_features().has_fast_bf16 else torch.float32
 
     @cached_property
     def cpu_threads(self) -> int:
@@ -91,11 +93,3 @@ def _require_positive(name: str, value: int) -> None:
     if not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
-
-def _cpu_has_fast_bf16() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags

@@ -9,6 +9,7 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.cpu import cpu_features
 from engine.heap import limit_onednn_caches
 from engine.loader import ModelSource, load_state_dict, resolve_model
 from engine.model_runner import ModelRunner
@@ -182,6 +183,10 @@ def build_model(source: ModelSource, dtype: torch.dtype, device: torch.device, s
     else:
         model.init_random(seed)
     model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
-    if can_pack(device, dtype):
+    packed = dtype == torch.bfloat16 and can_pack(device, dtype)
+    if packed:
         model.pack_linears()
+    if device.type == "cpu":
+        logger.info("CPU: %s; linears: %s", cpu_features().summary(),
+                    "oneDNN-prepacked bf16" if packed else f"F.linear {str(dtype).removeprefix('torch.')}")
     return model

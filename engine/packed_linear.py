@@ -14,14 +14,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.cpu import cpu_features
+
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
-    return (
-        device.type == "cpu"
-        and dtype == torch.bfloat16
-        and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-    )
+    """oneDNN packs bf16 only on AVX-512 BW/VL/DQ or newer and raises elsewhere: ask the probe."""
+    return device.type == "cpu" and cpu_features().can_pack(dtype)
 
 
 class PackedLinear(nn.Module):

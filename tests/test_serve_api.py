@@ -18,7 +18,7 @@ from ray import serve
 from deployments import app as app_module
 from deployments.app import build_app
 from deployments.handles import over_grpc
-from deployments.tokenizer import Encoded, EncodeRequest
+from deployments.encoding import Encoded, EncodeRequest
 from engine import LLM, SamplingParams
 from loadtest.bench import Workload
 from loadtest.handle import HandleTarget, run_over_handle

@@ -9,17 +9,15 @@ its KV blocks are free by the end of the next step.
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
-import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import psutil
 from ray import serve
 
-from deployments.metrics import EngineMetrics
-
+from deployments.logs import route_logs_to_serve
+from deployments.metrics import EngineMetricsReporter
 from engine import AsyncEngine, EngineConfig, EngineStats, GenerationChunk, ModelInfo, SamplingParams
 
 
@@ -38,26 +36,6 @@ FAULT_INJECTION_ENV = "RAYINFER_ENABLE_FAULT_INJECTION"  # "1" only in tests
 # class of machine); past this many chunks a second across all streams, the engine packs
 # several tokens per chunk (see engine/async_engine.py). The first token is never held.
 DEFAULT_MAX_CHUNKS_PER_S = 300.0
-_METRICS_PERIOD_S = 1.0
-
-
-class EngineMetricsReporter:
-    """Samples the engine's stats into Ray gauges once a second, from its own thread."""
-
-    def __init__(self, engine: AsyncEngine) -> None:
-        self._engine = engine
-        self._metrics = EngineMetrics()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="rayinfer-metrics", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(_METRICS_PERIOD_S):
-            self._metrics.update(self._engine.stats())
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 @serve.deployment(
@@ -72,7 +50,7 @@ class EngineDeployment:
     def __init__(self, config: EngineConfig, max_chunks_per_s: float | None = DEFAULT_MAX_CHUNKS_PER_S) -> None:
         route_logs_to_serve("engine")
         self._engine = AsyncEngine(config, max_chunks_per_s=max_chunks_per_s)
-        self._metrics = EngineMetricsReporter(self._engine)
+        self._metrics = EngineMetricsReporter(self._engine.stats)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[GenerationChunk]:
@@ -117,12 +95,3 @@ class EngineDeployment:
         if engine is not None:
             engine.shutdown()
 
-
-def route_logs_to_serve(name: str) -> None:
-    """Send a library logger's records through this replica's Serve logger (its file, the
-    driver's console), like the replica's own logs; without this INFO records are lost."""
-    serve_logger = logging.getLogger("ray.serve")
-    logger = logging.getLogger(name)
-    logger.handlers = list(serve_logger.handlers)
-    logger.setLevel(logging.INFO)
-    logger.propagate = False

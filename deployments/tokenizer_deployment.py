@@ -3,69 +3,19 @@
 Concurrent calls are batched (`@serve.batch`): one batched encode serves every request
 that queued up while the previous batch ran (batch_wait_timeout_s 0: no added latency at
 light load, big batches under heavy load). Each request gets its own result, `Encoded` or
-`EncodeError`, so one bad prompt never fails its batch-mates.
-
-Chat template (GPT-2 has none): one "role: content" line per message, then "assistant:"
-for the model to continue, e.g.
-
-    system: You are terse.
-    user: Hi!
-    assistant:
+`EncodeError` (deployments/encoding.py), so one bad prompt never fails its batch-mates.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 from ray import serve
 
-from deployments.engine import route_logs_to_serve
+from deployments.encoding import EncodeError, EncodeRequest, Encoded
+from deployments.logs import route_logs_to_serve
 from deployments.metrics import TokenizerMetrics
 from engine.loader import load_tokenizer
-
-
-@dataclass(frozen=True)
-class ChatMessage:
-    role: str
-    content: str
-
-
-@dataclass(frozen=True)
-class EncodeRequest:
-    """Exactly one of `prompt` (text or token ids) and `messages` is set."""
-
-    prompt: str | list[int] | None = None
-    messages: list[ChatMessage] | None = None
-    max_tokens: int | None = None  # None: the rest of the context
-    max_model_len: int = 1024
-
-    @property
-    def param(self) -> str:
-        return "messages" if self.messages is not None else "prompt"
-
-    @property
-    def text(self) -> str | None:
-        if self.messages is not None:
-            return apply_chat_template(self.messages)
-        return self.prompt if isinstance(self.prompt, str) else None
-
-
-@dataclass(frozen=True)
-class Encoded:
-    token_ids: list[int]
-    max_tokens: int
-
-
-@dataclass(frozen=True)
-class EncodeError:
-    message: str
-    param: str
-    code: str | None = None
-
-
-def apply_chat_template(messages: list[ChatMessage]) -> str:
-    return "".join(f"{m.role}: {m.content}\n" for m in messages) + "assistant:"
 
 
 @serve.deployment(

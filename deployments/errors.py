@@ -1,0 +1,100 @@
+"""Errors in OpenAI's shape: every failure leaves the ingress as the error object
+`{"error": {"message", "type", "param", "code"}}` with one of these statuses (never
+FastAPI's 422, never a bare 500 for bad input):
+
+    400  invalid_request_error   malformed JSON, invalid UTF-8, not an object, a bad field
+                                 (param names it; None for a body that is not an object)
+    401  invalid_request_error   missing or wrong API key (code invalid_api_key)
+    404  invalid_request_error   no such route
+    413  invalid_request_error   body over max_body_bytes (code request_too_large)
+    429  rate_limit_exceeded     the engine's waiting bounds or its Serve queue are full;
+                                 Retry-After says when to come back
+    503  server_error            the engine crashed or a replica is being replaced; Retry-After
+    500  server_error            anything else (logged, without the request's content)
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from ray.exceptions import RayActorError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+
+from deployments.encoding import EncodeError
+from engine import EngineDeadError, EngineOverloadedError
+
+logger = logging.getLogger("ray.serve")
+
+_RETRY_AFTER_UNAVAILABLE_S = 1.0  # a replica restart takes seconds
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.status, self.type, self.param, self.code = status, type, param, code
+        self.retry_after_s = retry_after_s
+
+    @property
+    def body(self) -> dict:
+        return {"error": {"message": str(self), "type": self.type, "param": self.param, "code": self.code}}
+
+    @property
+    def headers(self) -> dict[str, str]:
+        if self.retry_after_s is None:
+            return {}
+        return {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
+
+
+def bad_request(error: EncodeError) -> ApiError:
+    return ApiError(400, error.message, param=error.param, code=error.code)
+
+
+def unknown_model(name: str) -> ApiError:
+    return ApiError(400, f"the model {name!r} does not exist; GET /v1/models lists the served one",
+                    param="model", code="model_not_found")
+
+
+def overloaded(message: str, retry_after_s: float | None, code: str) -> ApiError:
+    return ApiError(429, f"server overloaded, retry later: {message}", "rate_limit_exceeded",
+                    code=code, retry_after_s=retry_after_s or 1.0)
+
+
+def unavailable(message: str) -> ApiError:
+    return ApiError(503, message, "server_error", code="service_unavailable",
+                    retry_after_s=_RETRY_AFTER_UNAVAILABLE_S)
+
+
+def as_api_error(exc: BaseException) -> ApiError:
+    # An error raised in another replica arrives as a RayTaskError holding it as `cause`.
+    cause = getattr(exc, "cause", None) or exc
+    if isinstance(cause, ApiError):
+        return cause
+    if isinstance(cause, EngineOverloadedError):
+        return overloaded(str(cause), cause.retry_after_s, "engine_overloaded")
+    if isinstance(cause, BackPressureError):
+        return overloaded("the engine's request queue is full", cause.retry_after_s, "queue_full")
+    if isinstance(cause, EngineDeadError):
+        return unavailable("the engine has failed and is restarting; retry shortly")
+    if isinstance(cause, (RayActorError, DeploymentUnavailableError)):
+        return unavailable("a replica is unavailable or restarting; retry shortly")
+    if isinstance(cause, ValueError):  # the engine rejected the request (validate_request)
+        return ApiError(400, str(cause))
+    # The type only: a message or traceback could quote the request.
+    logger.error("request failed: %s", type(cause).__name__)
+    return ApiError(500, "internal error", "server_error")
+
+
+def invalid_body(errors: Sequence[Any], skip: int = 0) -> ApiError:
+    """400, never FastAPI's 422; `param` names the offending top-level field."""
+    # Of a union's member errors, the deepest says most ("prompt.1: not an integer").
+    error = max(errors, key=lambda e: len(e.get("loc", ())))
+    loc = list(error.get("loc", ()))[skip:]
+    param = loc[0] if loc and isinstance(loc[0], str) else None
+    # Keep list indices, drop pydantic's union-member tags ("str", "list[int]", ...).
+    where = ".".join(str(part) for i, part in enumerate(loc) if i == 0 or isinstance(part, int))
+    message = error["msg"] if error.get("type") != "model_type" else "the body must be a JSON object"
+    return ApiError(400, f"{where}: {message}" if where else message, param=param)

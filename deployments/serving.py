@@ -1,0 +1,124 @@
+"""What the routes do, between HTTP and the two handles. A request's life here:
+
+    check the API key -> read the body, at most max_body_bytes -> validate it
+    (deployments/protocol.py) -> tokenizer.encode (ids, length checks) -> engine.generate
+    streams, one per choice (deployments/generation.py) -> SSE, JSON or plain text.
+
+Errors before the first token are HTTP errors in OpenAI's shape (deployments/errors.py);
+after the stream has started, a final SSE error event and `[DONE]`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from ray.serve.handle import DeploymentHandle
+
+from deployments.encoding import EncodeError, EncodeRequest, Encoded
+from deployments.errors import ApiError, as_api_error, bad_request, unknown_model
+from deployments.generation import Choice, Generation, ServerTiming, choice_deltas
+from deployments.http_body import BodyT, read_json_body
+from deployments.protocol import GenerateBody, OpenAIBody
+from deployments.responses import OpenAIFormat, collect, openai_body, text_stream
+from deployments.security import ApiKeys
+from deployments.sse import sse_events
+from deployments.streams import merge, prepend
+from engine import ModelInfo, SamplingParams
+from engine.detokenizer import TokenVocab
+
+HEALTH_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True)
+class Serving:
+    tokenizer: DeploymentHandle
+    engine: DeploymentHandle
+    model_name: str  # the served name: what `model` in a body must say
+    api_keys: ApiKeys
+    max_body_bytes: int
+    info: ModelInfo
+    vocab: TokenVocab
+
+    async def openai(self, request: Request, model: type[OpenAIBody], fmt: OpenAIFormat) -> Any:
+        """The one body of /v1/completions and /v1/chat/completions."""
+        received_at = time.perf_counter()
+        body = await self.read(request, model)
+        encoded, timing = await self.encode(body.encode_request(self.info.max_model_len))
+        params = [body.sampling_params(encoded.max_tokens, i) for i in range(body.n)]
+        gen = await self.start(fmt.id_prefix, encoded, params, timing, received_at)
+        if body.stream:
+            return StreamingResponse(sse_events(gen, fmt, body.include_usage), media_type="text/event-stream")
+        return await openai_body(gen, fmt)
+
+    async def generate(self, request: Request) -> Any:
+        """/generate: plain text, streamed or whole."""
+        received_at = time.perf_counter()
+        body = await self.read(request, GenerateBody)
+        encoded, timing = await self.encode(body.encode_request(self.info.max_model_len))
+        gen = await self.start("gen-", encoded, [body.sampling_params(encoded.max_tokens)], timing, received_at)
+        headers = {"Server-Timing": timing.header()}
+        if body.stream:
+            return StreamingResponse(text_stream(gen), media_type="text/plain; charset=utf-8", headers=headers)
+        texts, _, _ = await collect(gen)
+        return PlainTextResponse(texts[0], headers=headers)
+
+    def models(self, request: Request) -> dict:
+        self.api_keys.check(request.headers.get("authorization"))
+        info = self.info
+        card = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "rayinfer",
+                "root": info.name, "weights": info.weights, "max_model_len": info.max_model_len,
+                "dtype": info.dtype, "device": info.device}
+        return {"object": "list", "data": [card]}
+
+    async def health(self) -> JSONResponse:
+        try:
+            status = await asyncio.wait_for(self.engine.status.remote(), HEALTH_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 - unreachable or restarting: unhealthy
+            error = ApiError(503, f"engine unavailable: {type(exc).__name__}", "server_error", retry_after_s=1)
+            return JSONResponse(error.body, status_code=503, headers=error.headers)
+        body = {"status": "dead" if status.is_dead else "ok", "model": asdict(status.model),
+                "stats": asdict(status.stats), "num_active_requests": status.num_active_requests,
+                "engine_rss_bytes": status.rss_bytes}
+        return JSONResponse(body, status_code=503 if status.is_dead else 200)
+
+    async def read(self, request: Request, model: type[BodyT]) -> BodyT:
+        """Auth first (an unauthorized body is never read), then the size-capped body, then
+        the served model's name where the body names one."""
+        self.api_keys.check(request.headers.get("authorization"))
+        body = await read_json_body(request, model, self.max_body_bytes)
+        name = getattr(body, "model", None)
+        if name is not None and name != self.model_name:
+            raise unknown_model(name)
+        return body
+
+    async def encode(self, request: EncodeRequest) -> tuple[Encoded, ServerTiming]:
+        started = time.perf_counter()
+        try:
+            result = await self.tokenizer.encode.remote(request)
+        except Exception as exc:
+            raise as_api_error(exc) from exc
+        if isinstance(result, EncodeError):
+            raise bad_request(result)
+        return result, ServerTiming(tokenize_ms=1000 * (time.perf_counter() - started))
+
+    async def start(self, id_prefix: str, encoded: Encoded, params: list[SamplingParams],
+                    timing: ServerTiming, received_at: float) -> Generation:
+        """Starts one engine request per choice and waits for the first delta, so errors
+        raised before any token (the engine's own validation) become HTTP errors."""
+        request_id = id_prefix + uuid.uuid4().hex
+        streams = [choice_deltas(self.engine, self.vocab, Choice(i, f"{request_id}-{i}", encoded.token_ids, p),
+                                 timing, received_at) for i, p in enumerate(params)]
+        deltas = streams[0] if len(streams) == 1 else merge(streams)
+        try:
+            first = await anext(deltas)
+        except Exception as exc:
+            raise as_api_error(exc) from exc
+        return Generation(request_id, self.model_name, len(encoded.token_ids), len(params),
+                          prepend(first, deltas), timing)
+
