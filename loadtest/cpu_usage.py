@@ -10,6 +10,7 @@ itself the cores went to.
 from __future__ import annotations
 
 import resource
+import time
 from dataclasses import dataclass
 
 import psutil
@@ -48,6 +49,13 @@ def cpu_since(before: dict[int, ProcessCpu]) -> list[ProcessCpu]:
         if spent >= _MIN_CPU_S:
             rows.append(ProcessCpu(pid, now.name, spent))
     return sorted(rows, key=lambda row: row.cpu_s, reverse=True)
+
+
+def settle(max_busy: float = 0.1, timeout_s: float = 60.0) -> None:
+    """Wait until the machine is idle (a server just stopped may still be tearing down)."""
+    deadline = time.monotonic() + timeout_s
+    while psutil.cpu_percent(interval=1.0) / 100 > max_busy and time.monotonic() < deadline:
+        pass
 
 
 def cpu_table(runs: dict[str, tuple[float, list[ProcessCpu]]]) -> str:

@@ -6,10 +6,12 @@ and the CPU time each process took during every HTTP run (loadtest/cpu_usage.py)
     python -m loadtest.make_checkpoint /tmp/gpt2-random --arch gpt2
     python -m loadtest.peer_table --checkpoint /tmp/gpt2-random --out bench_out/peers
 
-It starts `serve run` on a copy of `--config` whose model is the checkpoint, measures it,
-stops it, runs the offline engine in this process, then starts vLLM's server from its venv
-(loadtest/vllm_peer.py), measures it, stops it, and runs vLLM's offline `LLM.generate`.
-Only one server is up at a time. Without vLLM installed, only rayinfer's rows are filled.
+It runs the offline engine in this process, starts `serve run` on a copy of `--config`
+whose model is the checkpoint, measures it and stops it; then starts vLLM's server from its
+venv (loadtest/vllm_peer.py), measures it, stops it, and runs vLLM's offline
+`LLM.generate`. One server is up at a time, and each step waits for an idle machine.
+Without vLLM installed, only rayinfer's rows are filled. `--app-args` and `--engine-env`
+change the rayinfer app's config, to measure one design against another.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from pathlib import Path
 import yaml
 
 from loadtest.bench import BenchConfig, BenchResult, Target, Workload, run_benchmark
-from loadtest.cpu_usage import ProcessCpu, cpu_since, cpu_snapshot, cpu_table
+from loadtest.cpu_usage import ProcessCpu, cpu_since, cpu_snapshot, cpu_table, settle
 from loadtest.vllm_peer import VllmServer, VllmServerConfig, is_healthy, find_vllm, run_vllm_offline_target
 
 RAYINFER_URL = "http://127.0.0.1:8000"
@@ -96,11 +98,19 @@ def _with_cpu(label: str, cpu: dict, run: Callable[[], BenchResult]) -> BenchRes
 # ---- rayinfer ----
 
 
-def serve_config(base: Path, checkpoint: Path, dtype: str, app_args: dict) -> dict:
-    """`base` with its first application serving `checkpoint`'s weights in `dtype`."""
+def serve_config(base: Path, checkpoint: Path, dtype: str, app_args: dict, engine_env: dict[str, str]) -> dict:
+    """`base` with its first application serving `checkpoint`'s weights in `dtype`, and
+    `engine_env` in the engine replica's runtime_env."""
     config = yaml.safe_load(base.read_text(encoding="utf-8"))
-    args = config["applications"][0]["args"]
-    args.update(model=str(checkpoint.resolve()), weights="pretrained", dtype=dtype, **app_args)
+    app = config["applications"][0]
+    args = app["args"]
+    args.update(model=str(checkpoint.resolve()), weights="pretrained", dtype=dtype)
+    for key, value in app_args.items():  # one level deep: {"engine": {...}} keeps the file's other engine keys
+        args[key] = args.get(key, {}) | value if isinstance(value, dict) else value
+    if engine_env:
+        engine = next(d for d in app["deployments"] if d["name"] == "EngineDeployment")
+        options = engine.setdefault("ray_actor_options", {"num_cpus": app["args"].get("engine_num_cpus", 0.5)})
+        options.setdefault("runtime_env", {}).setdefault("env_vars", {}).update(engine_env)
     return config
 
 
@@ -139,13 +149,15 @@ def _stop(process: subprocess.Popen, timeout_s: float = 60.0) -> None:
 def run_rayinfer(args: argparse.Namespace, workload: TableWorkload, cpu: dict) -> ServerRows:
     from loadtest.offline import OfflineTarget, run_offline
 
-    config = serve_config(args.config, args.checkpoint, args.dtype, json.loads(args.app_args))
-    with serve_run(config):
-        rows = measure_http("rayinfer", Target(RAYINFER_URL, "rayinfer", ignore_eos=True), workload, cpu)
     target = OfflineTarget(str(args.checkpoint.resolve()), weights="pretrained", dtype=args.dtype,
                            label="rayinfer offline")
-    rows.offline = run_offline(target, workload.offline())
-    return rows
+    offline = None if args.skip_offline else run_offline(target, workload.offline())
+    config = serve_config(args.config, args.checkpoint, args.dtype, json.loads(args.app_args),
+                          json.loads(args.engine_env))
+    with serve_run(config):
+        rows = measure_http("rayinfer", Target(RAYINFER_URL, "rayinfer", ignore_eos=True), workload, cpu)
+    settle()
+    return replace(rows, offline=offline)
 
 
 # ---- vLLM ----
@@ -160,7 +172,9 @@ def run_vllm(args: argparse.Namespace, workload: TableWorkload, cpu: dict) -> Se
     with VllmServer(config, setup):
         rows = measure_http("vLLM", Target(config.url, "vLLM CPU", config.served_model_name, ignore_eos=True),
                             workload, cpu)
-    rows.offline = run_vllm_offline_target(args.checkpoint, workload.offline(), args.dtype, args.vllm_venv)
+    settle()
+    if not args.skip_offline:
+        rows.offline = run_vllm_offline_target(args.checkpoint, workload.offline(), args.dtype, args.vllm_venv)
     return rows
 
 
@@ -199,6 +213,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--checkpoint", type=Path, required=True, help="a model directory both servers load")
     parser.add_argument("--config", type=Path, default=Path("configs/gpt2.yaml"), help="rayinfer's Serve config")
     parser.add_argument("--app-args", default="{}", help="JSON merged into the app's args, e.g. a design to try")
+    parser.add_argument("--engine-env", default="{}",
+                        help="JSON env vars for the engine replica's runtime_env, e.g. an LD_PRELOAD to try")
+    parser.add_argument("--skip-offline", action="store_true", help="HTTP rows only (quicker design trials)")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--streams", type=int, default=32)
     parser.add_argument("--prompt-tokens", type=int, default=16)

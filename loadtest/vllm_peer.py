@@ -234,9 +234,10 @@ def run_vllm_offline_target(model_dir: Path, workload: Workload, dtype: str = "b
 
     tokenizer = load_tokenizer(str(model_dir))
     encode = lambda prompts: [tokenizer.encode(p) for p in prompts]  # noqa: E731
-    request = OfflineRequest(str(Path(model_dir).resolve()), encode(workload.prompts(workload.num_requests, workload.seed)),
-                             encode(workload.prompts(max(workload.warmup, 1), workload.seed + 1)),
-                             workload.max_tokens, workload.temperature, dtype=dtype, seed=workload.seed)
+    prompts = encode(workload.prompts(workload.num_requests, workload.seed))
+    warmup = encode(workload.prompts(max(workload.warmup, 1), workload.seed + 1))
+    request = OfflineRequest(str(Path(model_dir).resolve()), prompts, warmup, workload.max_tokens,
+                             workload.temperature, dtype=dtype, seed=workload.seed)
     result = run_vllm_offline(request, require_vllm(venv))
     return batch_result(label, "vllm.LLM.generate", workload, result)
 
