@@ -10,6 +10,7 @@ ray_actor_options are left to build_app, which decides its GPU.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal
 
 import ray
@@ -23,6 +24,7 @@ from deployments.http_body import DEFAULT_MAX_BODY_BYTES
 from deployments.ingress import Ingress
 from deployments.tokenizer_deployment import TokenizerDeployment
 from engine import EngineConfig
+from engine.loader import WeightsMode
 
 
 class AppArgs(BaseModel):
@@ -32,12 +34,12 @@ class AppArgs(BaseModel):
 
     model: str = "gpt2"  # a Hugging Face id or a local checkpoint directory
     served_model_name: str | None = None  # the `model` in API responses; defaults to `model`
-    weights: Literal["auto", "pretrained", "random"] = "auto"
+    weights: WeightsMode = "auto"
     dtype: str = "auto"  # auto: bf16 on GPUs and on CPUs with fast bf16, else fp32
     device: str = "auto"  # auto: cuda when the engine replica got a GPU
     seed: int = 0
     engine: dict[str, Any] = Field(default_factory=dict)  # any other EngineConfig field
-    engine_num_cpus: float = 0.5
+    engine_num_cpus: float = 0.5  # also sizes its torch threads: ceil(engine_num_cpus)
     engine_num_gpus: float | Literal["auto"] = "auto"  # auto: 1 if the cluster has a GPU, else 0
     # The engine replica's process: libraries to preload where present ("tcmalloc", "iomp5",
     # a path; deployments/engine_runtime.py) and environment variables (e.g. KMP_AFFINITY).
@@ -91,9 +93,12 @@ def engine_actor_options(args: AppArgs, num_gpus: float) -> dict:
 def engine_config(args: AppArgs, num_gpus: float) -> EngineConfig:
     # A replica without a reserved GPU must not take one it happens to see.
     device = "cpu" if num_gpus == 0 and args.device == "auto" else args.device
+    # Threads sized to the CPUs the replica asked Ray for, so replicas sharing a box do not
+    # oversubscribe it; `engine: {num_threads: N}` overrides.
+    engine = {"num_threads": max(1, math.ceil(args.engine_num_cpus)), **args.engine}
     try:
         return EngineConfig(model=args.model, weights=args.weights, dtype=args.dtype, device=device,
-                            seed=args.seed, **args.engine)
+                            seed=args.seed, **engine)
     except TypeError as error:  # an unknown key in `engine:`
         raise ValueError(f"bad engine args {sorted(args.engine)}: {error}") from None
 

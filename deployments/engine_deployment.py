@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import psutil
 from ray import serve
 
+from deployments.engine_load import EngineLoad
 from deployments.logs import route_logs_to_serve
 from deployments.metrics import EngineMetricsReporter
 from engine import AsyncEngine, EngineConfig, EngineStats, GenerationChunk, ModelInfo, SamplingParams
@@ -32,9 +33,9 @@ class EngineStatus:
 
 FAULT_INJECTION_ENV = "RAYINFER_ENABLE_FAULT_INJECTION"  # "1" only in tests
 
-# Every chunk streamed to the ingress costs CPU in three processes (~0.4 ms in all on this
-# class of machine); past this many chunks a second across all streams, the engine packs
-# several tokens per chunk (see engine/async_engine.py). The first token is never held.
+# Every chunk streamed to the ingress costs CPU in three processes (BENCHMARKS.md); past
+# this many chunks a second across all streams, the engine packs several tokens per chunk
+# (engine/request_stream.py). The first token is never held.
 DEFAULT_MAX_CHUNKS_PER_S = 300.0
 
 
@@ -51,6 +52,7 @@ class EngineDeployment:
         route_logs_to_serve("engine")
         self._engine = AsyncEngine(config, max_chunks_per_s=max_chunks_per_s)
         self._metrics = EngineMetricsReporter(self._engine.stats)
+        self._num_requests = 0
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[GenerationChunk]:
@@ -58,6 +60,7 @@ class EngineDeployment:
 
         Raises ValueError before the first chunk for a request that can never run.
         """
+        self._num_requests += 1
         async with contextlib.aclosing(self._engine.generate(request_id, prompt_token_ids, params)) as chunks:
             async for chunk in chunks:
                 yield chunk
@@ -65,27 +68,33 @@ class EngineDeployment:
     def model_info(self) -> ModelInfo:
         return self._engine.model_info
 
-    def stats(self) -> EngineStats:
-        return self._engine.stats()
-
     def status(self) -> EngineStatus:
         return EngineStatus(self._engine.model_info, self._engine.stats(), self._engine.num_active_requests(),
                             self._engine.is_dead, psutil.Process().memory_info().rss)
 
+    async def record_routing_stats(self) -> dict:
+        """For the router (deployments/router.py), polled by Serve; async so it reads the
+        engine's streams on the loop that changes them."""
+        return EngineLoad.of(self._engine, self._num_requests).routing_stats()
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """For EngineLoadPolicy (deployments/autoscaling.py), polled by Serve."""
+        return EngineLoad.of(self._engine, self._num_requests).autoscaling_stats()
+
     def check_health(self) -> None:
         """Serve restarts the replica when this raises: the step loop has died."""
         self._engine.check_health()
+
+    async def check_integrity(self) -> None:
+        """Raises AssertionError if the KV pool's invariants fail (tests' leak checks)."""
+        await self._engine.check_integrity()
 
     def inject_fault_for_tests(self) -> None:
         """Crash the step loop at its next step, as a bug in the model would. Refused
         unless the replica's environment has RAYINFER_ENABLE_FAULT_INJECTION=1."""
         if os.environ.get(FAULT_INJECTION_ENV) != "1":
             raise PermissionError(f"fault injection is off (set {FAULT_INJECTION_ENV}=1 in tests only)")
-
-        def crashing_step() -> list:
-            raise RuntimeError("fault injected by a test")
-
-        self._engine.engine.step = crashing_step  # the loop thread looks it up each step
+        self._engine.inject_fault(RuntimeError("fault injected by a test"))
 
     def __del__(self) -> None:
         metrics = getattr(self, "_metrics", None)

@@ -25,6 +25,7 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
 from deployments.encoding import EncodeError
 from engine import EngineDeadError, EngineOverloadedError
+from engine.request_rules import InvalidRequestError
 
 logger = logging.getLogger("ray.serve")
 
@@ -81,7 +82,9 @@ def as_api_error(exc: BaseException) -> ApiError:
         return unavailable("the engine has failed and is restarting; retry shortly")
     if isinstance(cause, (RayActorError, DeploymentUnavailableError)):
         return unavailable("a replica is unavailable or restarting; retry shortly")
-    if isinstance(cause, ValueError):  # the engine rejected the request (validate_request)
+    if isinstance(cause, InvalidRequestError):  # the engine rejected the request (request_rules.py)
+        return ApiError(400, str(cause), param=cause.param, code=cause.code)
+    if isinstance(cause, ValueError):
         return ApiError(400, str(cause))
     # The type only: a message or traceback could quote the request.
     logger.error("request failed: %s", type(cause).__name__)

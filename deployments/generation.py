@@ -40,9 +40,9 @@ class ServerTiming:
         if self._has_first_token:
             return
         self._has_first_token = True
-        timings = chunk.timings or {}
-        self.queue_wait_ms = 1000 * timings.get("queue_wait_s", 0.0)
-        self.prefill_ms = 1000 * timings.get("prefill_s", 0.0)
+        if chunk.timings is not None:
+            self.queue_wait_ms = 1000 * chunk.timings.queue_wait_s
+            self.prefill_ms = 1000 * chunk.timings.prefill_s
         self.ttft_ms = 1000 * (time.perf_counter() - received_at)
 
     def as_dict(self) -> dict[str, float]:
@@ -106,5 +106,5 @@ async def choice_deltas(engine: DeploymentHandle, vocab: TokenVocab, choice: Cho
         if num_tokens:
             request_metrics().record_completion(
                 ttft_s=timing.ttft_ms / 1000, e2e_s=time.perf_counter() - received_at,
-                queue_wait_s=(first_timings or {}).get("queue_wait_s"),
+                queue_wait_s=first_timings.queue_wait_s if first_timings else None,
                 num_prompt_tokens=len(choice.prompt_token_ids), num_completion_tokens=num_tokens)

@@ -2,9 +2,8 @@
 
 By default a handle call passes its arguments and every streamed item through Ray's object
 protocol (an object reference per item, resolved by the caller's core worker). Serve's
-gRPC transport sends them inline over one channel per pair of replicas instead: ~1 ms less
-per call, and at 32 streams on 2 CPU cores a TTFT p50 of 391 instead of 457 ms, for the
-same throughput (BENCHMARKS.md, five rounds each).
+gRPC transport sends them inline over one channel per pair of replicas instead: less time
+per call and a lower TTFT under load, for the same throughput (BENCHMARKS.md).
 """
 
 from ray.serve.handle import DeploymentHandle

@@ -11,6 +11,7 @@ import functools
 import threading
 from collections.abc import Callable
 
+from ray.serve import metrics as serve_metrics
 from ray.util.metrics import Counter, Gauge, Histogram
 
 from engine.outputs import EngineStats
@@ -78,6 +79,36 @@ class EngineMetrics:
         if stats.num_preemptions > self._last_preemptions:
             self.preemptions.inc(stats.num_preemptions - self._last_preemptions)
             self._last_preemptions = stats.num_preemptions
+
+
+class RouterMetrics:
+    """The engine router's decisions and the engine replicas it sees, recorded by each
+    handle's PrefixAffinityRouter (in the ingress replicas). Spills are the routed requests
+    with decision="spill"."""
+
+    def __init__(self) -> None:
+        tags = ("engine_replica",)
+        self.routed = serve_metrics.Counter(
+            "rayinfer_router_routed_requests", "Engine requests routed, by replica and decision "
+            "(affinity: the prefix's first choice; spill: it was over the load bound; least_loaded: no prefix).",
+            tag_keys=("engine_replica", "decision"))
+        self.replicas = serve_metrics.Gauge("rayinfer_router_engine_replicas", "Engine replicas the router sees.")
+        self.hit_rate = serve_metrics.Gauge("rayinfer_engine_replica_prefix_cache_hit_rate",
+                                            "Prompt tokens served from each engine replica's prefix cache (0..1).",
+                                            tag_keys=tags)
+        self.active = serve_metrics.Gauge("rayinfer_engine_replica_active_requests",
+                                          "Requests in each engine replica, as it last reported.", tag_keys=tags)
+
+    def record_routed(self, replica_id: str, decision: str) -> None:
+        self.routed.inc(1, tags={"engine_replica": replica_id, "decision": decision})
+
+    def record_replicas(self, routing_stats: dict[str, dict]) -> None:
+        self.replicas.set(len(routing_stats))
+        for replica_id, stats in routing_stats.items():
+            if "num_prefix_queried_tokens" in stats:
+                rate = stats["num_prefix_hit_tokens"] / max(stats["num_prefix_queried_tokens"], 1)
+                self.hit_rate.set(rate, tags={"engine_replica": replica_id})
+                self.active.set(stats["num_active"], tags={"engine_replica": replica_id})
 
 
 class EngineMetricsReporter:

@@ -30,10 +30,6 @@ class ApiKeys:
         from_env = os.environ.get(API_KEYS_ENV, "").split(",")
         return cls([*(keys or ()), *(key.strip() for key in from_env)])
 
-    @property
-    def is_enabled(self) -> bool:
-        return bool(self._digests)
-
     def check(self, authorization: str | None) -> None:
         """Raise a 401 ApiError unless keys are off or the header carries one of them."""
         if not self._digests:

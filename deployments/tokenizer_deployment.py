@@ -16,6 +16,7 @@ from deployments.encoding import EncodeError, EncodeRequest, Encoded
 from deployments.logs import route_logs_to_serve
 from deployments.metrics import TokenizerMetrics
 from engine.loader import load_tokenizer
+from engine.request_rules import InvalidRequestError, check_context, check_prompt
 
 
 @serve.deployment(
@@ -44,16 +45,13 @@ class TokenizerDeployment:
         return results
 
     def _check(self, request: EncodeRequest, token_ids: list[int] | None) -> Encoded | EncodeError:
+        """The engine's prompt rules, checked here so that a bad prompt is a 400 naming its field."""
         param, context = request.param, request.max_model_len
-        if not token_ids:
-            return EncodeError(f"{param} must not be empty", param)
-        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self._vocab_size for t in token_ids):
-            return EncodeError(f"prompt token ids must be integers in [0, {self._vocab_size})", param)
-        if len(token_ids) >= context:
-            return EncodeError(f"{param} is {len(token_ids)} tokens, the model's context is {context}: "
-                               "no room to generate", param, "context_length_exceeded")
-        max_tokens = request.max_tokens if request.max_tokens is not None else context - len(token_ids)
-        if len(token_ids) + max_tokens > context:
-            return EncodeError(f"{param} ({len(token_ids)} tokens) + max_tokens ({max_tokens}) exceeds the "
-                               f"model's context of {context} tokens", "max_tokens", "context_length_exceeded")
+        try:
+            check_prompt(token_ids or [], self._vocab_size, param)
+            # None: the rest of the context, at least one token (none left: no room to generate).
+            max_tokens = request.max_tokens if request.max_tokens is not None else max(context - len(token_ids), 1)
+            check_context(len(token_ids), max_tokens, context, param)
+        except InvalidRequestError as error:
+            return EncodeError(str(error), error.param, error.code)
         return Encoded(list(token_ids), max_tokens)

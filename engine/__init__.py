@@ -8,16 +8,19 @@ Knows nothing of Ray or HTTP. The public API:
     AsyncEngine(EngineConfig(...)).generate(request_id, prompt_token_ids, params) -> chunks
 """
 
-from engine.async_engine import AsyncEngine, GenerationChunk
+from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.llm import LLM, CompletionOutput
 from engine.llm_engine import LLMEngine
-from engine.outputs import EngineDeadError, EngineOverloadedError, EngineStats, ModelInfo
+from engine.outputs import (
+    ChunkTimings, EngineDeadError, EngineOverloadedError, EngineStats, GenerationChunk, ModelInfo,
+)
 from engine.sampling_params import SamplingParams
 
 __all__ = [
     "LLM",
     "AsyncEngine",
+    "ChunkTimings",
     "CompletionOutput",
     "EngineConfig",
     "EngineDeadError",

@@ -29,9 +29,16 @@ class Block:
         self.token_ids: tuple[int, ...] = ()
 
 
+# Stands in for "no previous block": hash(None) differs between Python 3.11 processes,
+# while a tuple of ints hashes the same in every process, so routers in other processes
+# compute the very keys this engine caches under (deployments/prefix_routing.py).
+_FIRST_BLOCK_PREV_HASH = 0x5EED
+
+
 def chain_hash(prev_hash: int | None, token_ids: tuple[int, ...]) -> int:
-    """A full block's key: its tokens and, through prev_hash, every token before it."""
-    return hash((prev_hash, token_ids))
+    """A full block's key: its tokens and, through prev_hash, every token before it.
+    The same in every process (no salt), so other processes can compute it."""
+    return hash((_FIRST_BLOCK_PREV_HASH if prev_hash is None else prev_hash, token_ids))
 
 
 class BlockManager:
@@ -70,10 +77,12 @@ class BlockManager:
         """Give a fresh sequence the cached blocks of its longest cached prefix.
 
         Returns the number of tokens covered. The last token is always left to compute:
-        its logits are what the sequence samples from.
+        its logits are what the sequence samples from. A sequence still scoring its prompt
+        (prompt_logprobs) takes no cached blocks: a hit would skip the forward that yields
+        those positions' logits (vLLM does the same). It still shares its blocks once computed.
         """
         assert not seq.block_table, "prefix lookup is for sequences holding no blocks"
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or seq.needs_prompt_logprobs:
             return 0
         prev_hash: int | None = None
         for index in range((seq.num_tokens - 1) // self.block_size):
@@ -90,6 +99,9 @@ class BlockManager:
     def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         self.num_prefix_queried_tokens += num_tokens
         self.num_prefix_hit_tokens += num_hit_tokens
+
+    def reset_prefix_stats(self) -> None:
+        self.num_prefix_queried_tokens = self.num_prefix_hit_tokens = 0
 
     def allocate(self, seq: Sequence, num_tokens: int) -> None:
         """Grow seq's block table to hold num_tokens tokens."""

@@ -10,8 +10,9 @@ from typing import Literal
 import torch
 
 from engine.cpu import cpu_features
+from engine.loader import WeightsMode, check_weights_mode
 
-WeightsMode = Literal["auto", "pretrained", "random"]
+LinearsMode = Literal["auto", "reference"]
 
 _DTYPES = {
     "float32": torch.float32,
@@ -29,6 +30,10 @@ class EngineConfig:
     weights: WeightsMode = "auto"
     dtype: str = "auto"  # float32 | bfloat16 | float16 | auto (bf16 where the hardware runs it natively)
     device: str = "auto"  # cpu | cuda | cuda:N | auto (cuda where present)
+    # auto: on CPU, projections and LM head on oneDNN-prepacked weights where the CPU probe
+    # says oneDNN runs this dtype (engine/packed_linear.py); reference: F.linear everywhere,
+    # the path that is token-exact with Hugging Face in fp32.
+    linears: LinearsMode = "auto"
     seed: int = 0
     block_size: int = 16
     # KV pool size: a block count wins over a memory budget; neither means "fit max_num_seqs
@@ -46,10 +51,11 @@ class EngineConfig:
     num_threads: int | None = None  # torch CPU threads; None = every core this process may use
 
     def __post_init__(self) -> None:
-        if self.weights not in ("auto", "pretrained", "random"):
-            raise ValueError(f"weights must be auto, pretrained or random, got {self.weights!r}")
+        check_weights_mode(self.weights)
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
+        if self.linears not in ("auto", "reference"):
+            raise ValueError(f"linears must be auto or reference, got {self.linears!r}")
         if not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
         _require_positive("block_size", self.block_size)

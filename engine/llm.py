@@ -10,6 +10,8 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer, TokenVocab
 from engine.llm_engine import LLMEngine
 from engine.loader import load_tokenizer
+from engine.logprobs import TokenLogprob
+from engine.outputs import StepOutput
 from engine.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -21,6 +23,11 @@ class CompletionOutput:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
+    # Where the params ask (engine/logprobs.py says what they are): one per token_ids entry,
+    # their sum, and one per prompt token (the first None).
+    logprobs: list[TokenLogprob] | None = None
+    cumulative_logprob: float | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class LLM:
@@ -46,25 +53,34 @@ class LLM:
             self.engine.add_request(request_id, out.prompt_token_ids, p)
         while self.engine.has_unfinished_requests():
             for step in self.engine.step():
-                self._apply(step.request_id, step.token_id, step.finish_reason, requests)
+                self._apply(step, requests)
         return [out for out, _, _ in requests.values()]
 
-    def _apply(self, request_id: str, token_id: int | None, finish_reason: str | None, requests: dict) -> None:
-        out, detokenizer, _ = requests[request_id]
+    def _apply(self, step: StepOutput, requests: dict) -> None:
+        out, detokenizer, _ = requests[step.request_id]
         if out.finish_reason is not None:
             return
-        if token_id is not None:
-            delta = detokenizer.push([token_id])
+        if step.prompt_logprobs is not None:
+            out.prompt_logprobs = list(step.prompt_logprobs)
+        if step.token_id is not None:
+            _append(out, step)
+            delta = detokenizer.push([step.token_id])
             out.text += delta.text
             if delta.stopped:
-                out.token_ids.append(token_id)
                 out.finish_reason = "stop"
-                self.engine.abort_request(request_id)
+                self.engine.abort_request(step.request_id)
                 return
-            out.token_ids.append(token_id)
-        if finish_reason is not None:
+        if step.finish_reason is not None:
             out.text += detokenizer.finish()
-            out.finish_reason = finish_reason
+            out.finish_reason = step.finish_reason
+
+
+def _append(out: CompletionOutput, step: StepOutput) -> None:
+    out.token_ids.append(step.token_id)
+    if step.logprob is not None:
+        out.logprobs = out.logprobs if out.logprobs is not None else []
+        out.logprobs.append(step.logprob)
+        out.cumulative_logprob = step.cumulative_logprob
 
 
 def _is_single(prompts) -> bool:

@@ -8,14 +8,16 @@ import time
 import torch
 
 from engine.block_manager import BlockManager
-from engine.config import EngineConfig
+from engine.config import EngineConfig, LinearsMode
 from engine.cpu import cpu_features
 from engine.heap import limit_onednn_caches
 from engine.loader import ModelSource, load_state_dict, resolve_model
-from engine.model_runner import ModelRunner
+from engine.logprobs import TokenLogprob
+from engine.model_runner import ModelOutput, ModelRunner
 from engine.models.gpt2 import GPT2LMHead
 from engine.packed_linear import can_pack
 from engine.outputs import EngineStats, ModelInfo, StepOutput
+from engine.request_rules import check_context, check_kv_blocks, check_params, check_prompt, check_request_id_free
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence
@@ -33,7 +35,7 @@ class LLMEngine:
         if config.torch_device.type == "cpu":
             torch.set_num_threads(config.cpu_threads)
         source = resolve_model(config.model, config.weights)
-        model = build_model(source, config.torch_dtype, config.torch_device, config.seed)
+        model = build_model(source, config.torch_dtype, config.torch_device, config.seed, config.linears)
         hf = source.config
         self.max_model_len = min(config.max_model_len or hf.n_positions, hf.n_positions)
         self.eos_token_id = hf.eos_token_id if hf.eos_token_id is not None else hf.vocab_size - 1
@@ -54,30 +56,17 @@ class LLMEngine:
                     num_blocks, config.block_size)
 
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise ValueError if the request can never run. Pure: safe from any thread."""
-        if not prompt_token_ids:
-            raise ValueError("prompt must contain at least one token")
-        vocab_size = self.model_info.vocab_size
-        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size for t in prompt_token_ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab_size})")
-        total = len(prompt_token_ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise ValueError(
-                f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
-                f"exceeds the model's context of {self.max_model_len} tokens"
-            )
-        num_blocks = -(-total // self.config.block_size)
-        if num_blocks > self.block_manager.num_blocks:
-            raise ValueError(
-                f"request needs {num_blocks} KV blocks but the cache holds {self.block_manager.num_blocks}; "
-                "lower max_tokens or raise num_kv_blocks"
-            )
+        """Raise InvalidRequestError (a ValueError) if the request can never run."""
+        check_prompt(prompt_token_ids, self.model_info.vocab_size)
+        check_params(params, self.model_info.vocab_size)
+        check_context(len(prompt_token_ids), params.max_tokens, self.max_model_len)
+        check_kv_blocks(len(prompt_token_ids) + params.max_tokens, self.config.block_size,
+                        self.block_manager.num_blocks)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        if request_id in self._seqs:
-            raise ValueError(f"request id {request_id!r} is already in use")
+        check_request_id_free(request_id, self._seqs)
         self.validate_request(prompt_token_ids, params)
-        seq = Sequence(request_id, prompt_token_ids, params, self.config.block_size)
+        seq = Sequence(request_id, prompt_token_ids, params, self.config.block_size, self.eos_token_id)
         if params.seed is not None:
             seq.generator = torch.Generator(device=self.config.torch_device).manual_seed(params.seed)
         self._seqs[request_id] = seq
@@ -99,7 +88,7 @@ class LLMEngine:
         while self.has_unfinished_requests():
             self.step()
         self._num_prompt_tokens = self._num_generated_tokens = 0
-        self.block_manager.num_prefix_queried_tokens = self.block_manager.num_prefix_hit_tokens = 0
+        self.block_manager.reset_prefix_stats()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._seqs)
@@ -108,38 +97,55 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
-        sampled_seqs, tokens = self.runner.run(batch)
-        return self._postprocess(batch, sampled_seqs, tokens)
+        return self._postprocess(batch, self.runner.run(batch))
 
-    def _postprocess(self, batch: ScheduledBatch, sampled_seqs: list[Sequence], tokens: list[int]) -> list[StepOutput]:
+    def _postprocess(self, batch: ScheduledBatch, output: ModelOutput) -> list[StepOutput]:
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += num_new
             self.block_manager.commit_full_blocks(seq)
+        for seq, logprobs in output.prompt_logprobs:
+            seq.prompt_logprobs.extend(logprobs)
         now = time.monotonic()
-        outputs = []
-        for seq, token in zip(sampled_seqs, tokens):
-            seq.token_ids.append(token)
-            if seq.timings.first_token is None:
-                seq.timings.first_token = now
-                self._num_prompt_tokens += seq.num_prompt_tokens
-            self._num_generated_tokens += 1
-            seq.finish_reason = self._finish_reason(seq, token)
-            if seq.finish_reason is not None:
-                self._finish(seq, now)
-            outputs.append(StepOutput(seq.request_id, token, seq.finish_reason, seq.num_prompt_tokens,
-                                      seq.num_cached_tokens, seq.timings))
+        outputs = [self._append(seq, token, logprob, now)
+                   for seq, token, logprob in zip(output.sampled, output.token_ids, output.logprobs)]
+        for seq in batch.seqs:
+            if seq.params.max_tokens == 0 and seq.num_computed_tokens == seq.num_tokens:
+                outputs.append(self._finish_prompt_only(seq, now))
         return outputs
 
+    def _append(self, seq: Sequence, token: int, logprob: TokenLogprob | None, now: float) -> StepOutput:
+        seq.append_token(token, logprob)
+        is_first = seq.timings.first_token is None
+        if is_first:
+            seq.timings.first_token = now
+            self._num_prompt_tokens += seq.num_prompt_tokens
+        self._num_generated_tokens += 1
+        seq.finish_reason = self._finish_reason(seq, token)
+        if seq.finish_reason is not None:
+            self._finish(seq)
+        return self._output(seq, token, logprob, is_first)
+
+    def _finish_prompt_only(self, seq: Sequence, now: float) -> StepOutput:
+        """A prompt-only request (max_tokens 0): done once its prompt is scored."""
+        seq.timings.first_token = now
+        self._num_prompt_tokens += seq.num_prompt_tokens
+        seq.finish_reason = "length"
+        self._finish(seq)
+        return self._output(seq, None, None, is_first=True)
+
+    def _output(self, seq: Sequence, token: int | None, logprob: TokenLogprob | None, is_first: bool) -> StepOutput:
+        prompt_logprobs = tuple(seq.prompt_logprobs) if is_first and seq.prompt_logprobs is not None else None
+        return StepOutput(seq.request_id, token, seq.finish_reason, seq.num_prompt_tokens, seq.num_cached_tokens,
+                          seq.timings, logprob, seq.cumulative_logprob, prompt_logprobs)
+
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
-        params = seq.params
-        if (token == self.eos_token_id and not params.ignore_eos) or token in params.stop_token_ids:
+        if token in seq.stop_token_ids:
             return "stop"
-        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+        if seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
         return None
 
-    def _finish(self, seq: Sequence, now: float) -> None:
-        seq.timings.finished = now
+    def _finish(self, seq: Sequence) -> None:
         self.scheduler.remove(seq)
         del self._seqs[seq.request_id]
 
@@ -150,6 +156,7 @@ class LLMEngine:
             num_kv_blocks_used=bm.num_used_blocks, num_kv_blocks_total=bm.num_blocks,
             prefix_cache_hit_rate=bm.prefix_cache_hit_rate, num_preemptions=self.scheduler.num_preemptions,
             num_prompt_tokens=self._num_prompt_tokens, num_generated_tokens=self._num_generated_tokens,
+            num_prefix_queried_tokens=bm.num_prefix_queried_tokens, num_prefix_hit_tokens=bm.num_prefix_hit_tokens,
         )
 
     def check_integrity(self) -> None:
@@ -174,7 +181,10 @@ def _default_kv_budget(device: torch.device) -> float:
     return _DEFAULT_CPU_KV_GB * 2**30
 
 
-def build_model(source: ModelSource, dtype: torch.dtype, device: torch.device, seed: int) -> GPT2LMHead:
+def build_model(source: ModelSource, dtype: torch.dtype, device: torch.device, seed: int,
+                linears: LinearsMode = "reference") -> GPT2LMHead:
+    """The model on `device` in `dtype`; linears="auto" prepacks its linears where the CPU runs
+    that (then its state dict no longer holds them)."""
     with torch.device("meta"):
         model = GPT2LMHead(source.config)
     model.to_empty(device="cpu")
@@ -183,10 +193,10 @@ def build_model(source: ModelSource, dtype: torch.dtype, device: torch.device, s
     else:
         model.init_random(seed)
     model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
-    packed = dtype == torch.bfloat16 and can_pack(device, dtype)
+    packed = linears == "auto" and can_pack(device, dtype)
     if packed:
         model.pack_linears()
     if device.type == "cpu":
-        logger.info("CPU: %s; linears: %s", cpu_features().summary(),
-                    "oneDNN-prepacked bf16" if packed else f"F.linear {str(dtype).removeprefix('torch.')}")
+        logger.info("CPU: %s; linears: %s %s", cpu_features().summary(),
+                    "oneDNN-prepacked" if packed else "F.linear", str(dtype).removeprefix("torch."))
     return model

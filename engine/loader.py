@@ -13,7 +13,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args
 from urllib.parse import urlparse
 
 import huggingface_hub
@@ -25,8 +25,9 @@ from safetensors.torch import load_file
 
 logger = logging.getLogger(__name__)
 
-Weights = Literal["pretrained", "random"]
-WeightsMode = Literal["auto", "pretrained", "random"]
+WeightsMode = Literal["auto", "pretrained", "random"]  # what a config asks for
+Weights = Literal["pretrained", "random"]  # what was loaded
+WEIGHTS_MODES: tuple[str, ...] = get_args(WeightsMode)
 
 _GPT2_COMMON = {
     "model_type": "gpt2",
@@ -72,8 +73,7 @@ def resolve_model(model: str, weights: WeightsMode = "auto") -> ModelSource:
     "pretrained" raises if no weights are found; "auto" falls back to random weights
     with a WARNING; "random" never reads or downloads weights.
     """
-    if weights not in ("auto", "pretrained", "random"):
-        raise ValueError(f"weights must be 'auto', 'pretrained' or 'random', got {weights!r}")
+    check_weights_mode(weights)
     directory = _model_dir(model, need_weights=weights != "random")
     config = _read_config(directory / "config.json") if directory is not None else _known_config(model)
     files = _weight_files(directory) if directory is not None and weights != "random" else ()
@@ -84,6 +84,11 @@ def resolve_model(model: str, weights: WeightsMode = "auto") -> ModelSource:
     if weights == "auto":
         logger.warning("no weights found for %r (looked in %s): using RANDOM weights", model, _places_searched(model))
     return ModelSource(model, config, (), "random")
+
+
+def check_weights_mode(weights: str) -> None:
+    if weights not in WEIGHTS_MODES:
+        raise ValueError(f"weights must be one of {', '.join(WEIGHTS_MODES)}; got {weights!r}")
 
 
 def load_state_dict(files: Sequence[Path]) -> dict[str, torch.Tensor]:

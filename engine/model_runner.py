@@ -1,14 +1,34 @@
-"""Batch tensors in, model forward, sampled tokens out."""
+"""Batch tensors in, model forward, sampled tokens (and logprobs where asked) out."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 
 from engine.attention import AttentionGroup, AttentionMetadata
+from engine.logits_controls import LogitsControls
+from engine.logprobs import PromptScoring, TokenLogprob, token_logprobs
 from engine.models.gpt2 import GPT2LMHead
 from engine.sampler import Sampler, SamplingBatch
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
+
+
+@dataclass
+class ModelOutput:
+    """One step's results: per sampling sequence its token and (where asked) its logprob;
+    per sequence scoring its prompt, the logprobs of the prompt positions this step computed."""
+
+    sampled: list[Sequence]
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None]
+    prompt_logprobs: list[tuple[Sequence, list[TokenLogprob]]] = field(default_factory=list)
+
+
+def _samples(seq: Sequence, num_new: int) -> bool:
+    """Whether seq samples this step: its last known token is computed, and it generates."""
+    return seq.num_computed_tokens + num_new == seq.num_tokens and seq.params.max_tokens > 0
 
 
 class ModelRunner:
@@ -29,24 +49,43 @@ class ModelRunner:
     def kv_bytes_per_block(model_config, block_size: int, dtype: torch.dtype) -> int:
         return 2 * model_config.n_layer * block_size * model_config.n_embd * dtype.itemsize
 
-    def run(self, batch: ScheduledBatch) -> tuple[list[Sequence], list[int]]:
-        """One forward over the batch; returns the sequences that sampled and their tokens.
+    def run(self, batch: ScheduledBatch) -> ModelOutput:
+        """One forward over the batch; returns what the sequences sampled and scored.
 
-        A sequence samples when this step computes its last known token; a prefill chunk
-        that stops short of the prompt's end samples nothing.
+        A sequence samples when this step computes its last known token (a prefill chunk
+        that stops short of the prompt's end samples nothing; a prompt-only request,
+        max_tokens 0, never samples). A sequence that wants prompt logprobs also gets the
+        logits of each prompt position this step computes.
         """
         # Single-token queries first: they attend as the decode group.
         order = sorted(range(len(batch.seqs)), key=lambda i: batch.num_new_tokens[i] > 1)
         seqs = [batch.seqs[i] for i in order]
         num_new = [batch.num_new_tokens[i] for i in order]
         inputs = self._prepare(seqs, num_new)
-        sampling = [s for s, n in zip(seqs, num_new) if s.num_computed_tokens + n == s.num_tokens]
-        if not sampling:
-            self.model(*inputs, logits_indices=inputs[0][:0])
-            return [], []
-        logits = self.model(*inputs, logits_indices=self._logits_indices(seqs, num_new))
-        tokens = self.sampler(logits, self._sampling_batch(sampling))
-        return sampling, tokens.tolist()
+        sampling = [s for s, n in zip(seqs, num_new) if _samples(s, n)]
+        scoring = PromptScoring.of(seqs, num_new)
+        indices = self._logits_indices(seqs, num_new)
+        if scoring is not None:
+            indices = torch.cat([self._tensor(scoring.flat_indices), indices])
+        logits = self.model(*inputs, logits_indices=indices)
+        num_scored = 0 if scoring is None else len(scoring.flat_indices)
+        output = self._sample(sampling, logits[num_scored:])
+        if scoring is not None:
+            output.prompt_logprobs = scoring.logprobs(logits[:num_scored], self.device)
+        return output
+
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> ModelOutput:
+        if not seqs:
+            return ModelOutput([], [], [])
+        tokens = self.sampler(logits, self._sampling_batch(seqs))
+        rows = [row for row, s in enumerate(seqs) if s.params.logprobs is not None]
+        logprobs: list[TokenLogprob | None] = [None] * len(seqs)
+        if rows:
+            index = self._tensor(rows)
+            computed = token_logprobs(logits[index], tokens[index], [seqs[row].params.logprobs for row in rows])
+            for row, logprob in zip(rows, computed):
+                logprobs[row] = logprob
+        return ModelOutput(seqs, tokens.tolist(), logprobs)
 
     def _prepare(self, seqs: list[Sequence], num_new: list[int]):
         input_ids: list[int] = []
@@ -96,14 +135,15 @@ class ModelRunner:
         indices, end = [], 0
         for seq, n in zip(seqs, num_new):
             end += n
-            if seq.num_computed_tokens + n == seq.num_tokens:
+            if _samples(seq, n):
                 indices.append(end - 1)
         return self._tensor(indices)
 
     def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
-        return SamplingBatch.from_params(
-            [s.params for s in seqs], [s.generator for s in seqs], self.model.config.vocab_size, self.device
-        )
+        vocab_size = self.model.config.vocab_size
+        controls = LogitsControls.from_seqs(seqs, vocab_size, self.device)
+        return SamplingBatch.from_params([s.params for s in seqs], [s.generator for s in seqs], vocab_size,
+                                         self.device, controls)
 
     def _tensor(self, values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)

@@ -1,9 +1,10 @@
-"""What the engine hands out: per-step outputs, model info and stats."""
+"""What the engine hands out: per-step outputs, stream chunks and their timings, model info, stats."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.logprobs import TokenLogprob
 from engine.sequence import RequestTimings
 
 
@@ -24,7 +25,10 @@ class EngineOverloadedError(RuntimeError):
 
 @dataclass(frozen=True, slots=True)
 class StepOutput:
-    """One request's result from one engine step: a new token, a finish, or both."""
+    """One request's result from one engine step: a new token, a finish, or both.
+
+    A prompt-only request (max_tokens=0 with prompt_logprobs) has one output: no token,
+    finish_reason "length". Logprobs: see engine/logprobs.py for what they are."""
 
     request_id: str
     token_id: int | None
@@ -32,6 +36,11 @@ class StepOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     timings: RequestTimings
+    logprob: TokenLogprob | None = None  # of token_id, where params.logprobs is set
+    cumulative_logprob: float | None = None  # of the output so far, where params.logprobs is set
+    # On the request's first output only, where params.prompt_logprobs is set: one entry per
+    # prompt token, the first None (it has no prefix).
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -55,7 +64,41 @@ class EngineStats:
     num_preemptions: int
     num_prompt_tokens: int  # totals since start
     num_generated_tokens: int
+    num_prefix_queried_tokens: int
+    num_prefix_hit_tokens: int
 
     @property
     def kv_cache_usage(self) -> float:
         return self.num_kv_blocks_used / max(self.num_kv_blocks_total, 1)
+
+
+@dataclass(frozen=True)
+class ChunkTimings:
+    """Where a request's time to first token went, in seconds, measured in the engine."""
+
+    queue_wait_s: float  # arrival -> first scheduled
+    prefill_s: float  # first scheduled -> first token
+    ttft_s: float  # arrival -> first token
+
+    @classmethod
+    def of(cls, timings: RequestTimings) -> ChunkTimings | None:
+        """None until the request has its first token."""
+        if timings.first_token is None or timings.first_scheduled is None:
+            return None
+        return cls(timings.queue_wait_s, timings.prefill_s, timings.ttft_s)
+
+
+@dataclass(frozen=True)
+class GenerationChunk:
+    """Every token of one request that was ready since the consumer's last chunk."""
+
+    request_id: str
+    token_ids: list[int]
+    finish_reason: str | None  # set on the last chunk
+    num_prompt_tokens: int
+    timings: ChunkTimings | None = None  # on the first and the last chunk
+    # Where params.logprobs is set: one per token_ids entry, and the output's total so far.
+    logprobs: list[TokenLogprob] | None = None
+    cumulative_logprob: float | None = None
+    # On the first chunk, where params.prompt_logprobs is set: one per prompt token, the first None.
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None

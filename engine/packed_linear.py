@@ -1,12 +1,13 @@
-"""Linear layers with their weights prepacked for oneDNN, for bf16 on CPU.
+"""Linear layers with their weights prepacked for oneDNN, on CPU.
 
-`F.linear` on a bf16 CPU tensor reorders the weight into oneDNN's blocked layout on every
-call. Packing once at load makes the same products bit-identical and cheaper (GPT-2-small
-on 2 AVX-512 BF16 cores: the 48 block linears of a 32-row decode step 12.3 -> 9.3 ms, the
-LM head 5.2 -> 3.7 ms). This is the op PyTorch's own inductor emits for frozen CPU linears.
+bf16: `F.linear` reorders the weight into oneDNN's blocked layout on every call; packing
+once at load gives bit-identical products, cheaper. This is the op PyTorch's own inductor
+emits for frozen CPU linears. oneDNN runs bf16 only on AVX-512 BW/VL/DQ or newer.
 
-fp32 stays on `F.linear`: MKL's sgemm and oneDNN round differently, and fp32 is the path
-that must be token-exact with Hugging Face.
+fp32: `F.linear` runs MKL's sgemm, which is not faster than oneDNN's prepacked fp32 kernels
+at the row counts a step runs (BENCHMARKS.md), on AVX2 as on AVX-512. The two round
+differently, so fp32 packing is not bit-identical: `linears: reference` keeps F.linear,
+the path that is token-exact with Hugging Face.
 """
 
 from __future__ import annotations

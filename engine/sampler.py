@@ -1,8 +1,10 @@
 """Token sampling, vectorised over the batch.
 
-Greedy rows take the argmax. Other rows are scaled by temperature, filtered by top-k and
-top-p (only when some row asks for it, over its 1024 most likely tokens where they hold
-the mass asked for), and sampled by inverting their CDF: one uniform draw per row, found
+Logit controls (logit_bias, min_tokens, penalties: engine/logits_controls.py) change the
+rows that use them first. Greedy rows then take the argmax. Other rows are scaled by
+temperature, filtered by min_p (tokens less likely than min_p x the row's most likely one),
+then by top-k and top-p (only when some row asks for it, over its 1024 most likely tokens
+where they hold the mass asked for), and sampled by inverting their CDF: one uniform draw per row, found
 in the row's cumulative sum. That is one random number per row where an exponential race
 (or torch.multinomial) draws one per vocabulary entry: on CPU, 0.6 ms instead of 24 ms
 for 32 rows of GPT-2's 50257. Seeded rows draw their uniform from their own generator, so
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.logits_controls import LogitsControls
 from engine.sampling_params import SamplingParams
 
 
@@ -23,19 +26,26 @@ class SamplingBatch:
     temperatures: torch.Tensor  # [S] float32, 0 for greedy rows
     top_ps: torch.Tensor  # [S] float32
     top_ks: torch.Tensor  # [S] int64, vocab size where disabled
+    min_ps: torch.Tensor | None  # [S] float32; None when no sampled row sets min_p
     generators: list[torch.Generator | None]  # per row: its own when seeded
     all_greedy: bool
     needs_filter: bool
+    controls: LogitsControls | None = None  # None when no row uses any
 
     @classmethod
-    def from_params(cls, params: list[SamplingParams], generators: list[torch.Generator | None], vocab_size: int, device: torch.device) -> SamplingBatch:
+    def from_params(cls, params: list[SamplingParams], generators: list[torch.Generator | None], vocab_size: int,
+                    device: torch.device, controls: LogitsControls | None = None) -> SamplingBatch:
+        sampled = [p for p in params if not p.is_greedy]
         return cls(
             temperatures=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
             top_ps=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
             top_ks=torch.tensor([p.top_k or vocab_size for p in params], dtype=torch.int64, device=device),
+            min_ps=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)
+            if any(p.min_p > 0 for p in sampled) else None,
             generators=generators,
-            all_greedy=all(p.is_greedy for p in params),
-            needs_filter=any(p.top_k or p.top_p < 1 for p in params if not p.is_greedy),
+            all_greedy=not sampled,
+            needs_filter=any(p.top_k or p.top_p < 1 for p in sampled),
+            controls=controls,
         )
 
 
@@ -44,12 +54,16 @@ class Sampler:
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """logits: float32 [S, V] -> token ids [S]."""
+        """logits: float32 [S, V] -> token ids [S]. Never changes logits in place."""
+        if batch.controls is not None:
+            logits = batch.controls.apply(logits)
         greedy = logits.argmax(dim=-1)
         if batch.all_greedy:
             return greedy
         is_greedy = batch.temperatures == 0
         logits = logits / torch.where(is_greedy, 1.0, batch.temperatures).unsqueeze(1)
+        if batch.min_ps is not None:
+            logits = _filter_min_p(logits, batch.min_ps)
         if batch.needs_filter:
             logits = _filter_top_k_top_p(logits, batch.top_ks, batch.top_ps)
         probs = torch.softmax(logits, dim=-1)
@@ -63,6 +77,13 @@ class Sampler:
             if generator is not None:
                 uniforms[row] = torch.rand(1, generator=generator, device=device)
         return uniforms
+
+
+def _filter_min_p(logits: torch.Tensor, min_ps: torch.Tensor) -> torch.Tensor:
+    """-inf where p < min_p * p_max, compared in log space: logit < max_logit + log(min_p).
+    A row with min_p 0 compares against -inf and keeps everything."""
+    threshold = logits.amax(dim=-1, keepdim=True) + min_ps.log().unsqueeze(1)
+    return logits.masked_fill(logits < threshold, float("-inf"))
 
 
 def _sample_inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:

@@ -1,23 +1,51 @@
-"""Per-request sampling parameters, validated at construction."""
+"""Per-request sampling parameters, validated at construction.
+
+Fields follow OpenAI's and vLLM's definitions. Every rule that needs only the parameters
+lives here; the rules that need the model (token ids below the vocabulary size, prompt +
+max_tokens within the context) live in engine/request_rules.py.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import cached_property
 
 MAX_STOP_STRINGS = 16
+MAX_LOGPROBS = 20  # top alternatives per position, as vLLM's default max_logprobs
+MAX_LOGIT_BIAS = 100.0  # OpenAI: each bias in [-100, 100]
+MAX_PENALTY = 2.0  # OpenAI: presence and frequency penalties in [-2, 2]
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    max_tokens: int = 16
+    max_tokens: int = 16  # 0 only with prompt_logprobs: score the prompt, generate nothing
     temperature: float = 1.0  # 0 means greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 (or -1) disables top-k
+    min_p: float = 0.0  # drop tokens less likely than min_p x the most likely one
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    min_tokens: int = 0  # EOS and stop_token_ids cannot be sampled before this many tokens
+    # Penalties as vLLM applies them: presence and frequency over the tokens generated so
+    # far (logit -= presence * [count > 0] + frequency * count); repetition (CTRL, as
+    # Hugging Face) over prompt and generated tokens (positive logits / r, negative * r).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
+    # Logprobs of the model's own distribution (log_softmax of the raw logits in float32,
+    # before any penalty, bias, temperature or filter: vLLM's "raw_logprobs").
+    logprobs: int | None = None  # per generated token: its logprob and the top-k; 0 = its own only
+    prompt_logprobs: int | None = None  # per prompt token given its prefix (the first: None)
+    # Several sequences per prompt: the caller submits fan_out()'s params, one request each,
+    # and keeps the n with the highest cumulative logprob (best_of) or all n. A request the
+    # engine runs is always one sequence (n == 1, best_of None or 1).
+    n: int = 1
+    best_of: int | None = None
 
     def __post_init__(self) -> None:
         # Accept lists (and a lone string for stop) at the boundary, store tuples.
@@ -27,29 +55,110 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
+        if isinstance(self.logit_bias, dict):  # a private copy: the params are frozen
+            object.__setattr__(self, "logit_bias", dict(self.logit_bias))
         self._validate()
+        self._validate_controls()
+        self._validate_logprobs()
 
     def _validate(self) -> None:
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if not _is_int(self.max_tokens) or self.max_tokens < 0:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if self.max_tokens == 0 and self.prompt_logprobs is None:
+            raise ValueError("max_tokens must be an integer >= 1 (0 only with prompt_logprobs, to score the prompt)")
         if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+        if not _is_int(self.top_k) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 or -1 disables it), got {self.top_k!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+        if not _is_real(self.min_p) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if len(self.stop) > MAX_STOP_STRINGS:
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are supported, got {len(self.stop)}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop strings must be non-empty strings")
-        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be non-negative integers")
+
+    def _validate_controls(self) -> None:
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_real(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise ValueError(f"{name} must be a number in [-2, 2], got {value!r}")
+        if not _is_real(self.repetition_penalty) or not 0 < self.repetition_penalty < math.inf:
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must map token ids to numbers, got {type(self.logit_bias).__name__}")
+            if any(not _is_int(t) or t < 0 for t in self.logit_bias):
+                raise ValueError("logit_bias keys must be non-negative integer token ids")
+            if any(not _is_real(b) or not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS for b in self.logit_bias.values()):
+                raise ValueError("logit_bias values must be numbers in [-100, 100]")
+        if not _is_int(self.n) or self.n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
+        if self.best_of is not None and (not _is_int(self.best_of) or self.best_of < self.n):
+            raise ValueError(f"best_of must be an integer >= n ({self.n}), got {self.best_of!r}")
+
+    def _validate_logprobs(self) -> None:
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}] or None, got {value!r}")
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def num_sequences(self) -> int:
+        """How many sequences the caller runs for this prompt: best_of, else n."""
+        return self.best_of or self.n
+
+    @cached_property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @cached_property
+    def has_logit_controls(self) -> bool:
+        """Whether the sampler must change this request's logits before temperature."""
+        return self.has_penalties or bool(self.logit_bias) or self.min_tokens > 0
+
+    @cached_property
+    def logit_bias_items(self) -> tuple[tuple[int, ...], tuple[float, ...]]:
+        """(token ids, biases) of logit_bias, for building the batch's index tensors."""
+        items = (self.logit_bias or {}).items()
+        return tuple(t for t, _ in items), tuple(float(b) for _, b in items)
+
+    def fan_out(self) -> list[SamplingParams]:
+        """The params of each sequence to run for this prompt: num_sequences of them, each
+        one sequence (n = 1). A seeded request's i-th sequence gets seed + i (as vLLM does),
+        so they differ yet reproduce. With best_of > n the engine must rank by cumulative
+        logprob, so each sequence asks for logprobs (at least 0); the caller returns the
+        logprobs only where the client asked for them."""
+        if self.num_sequences == 1 and self.best_of is None:
+            return [self]
+        logprobs = self.logprobs if self.best_of is None or self.best_of == self.n else max(self.logprobs or 0, 0)
+        return [
+            dataclasses.replace(self, n=1, best_of=None, logprobs=logprobs,
+                                seed=None if self.seed is None else self.seed + i)
+            for i in range(self.num_sequences)
+        ]
+
+
+def select_best(cumulative_logprobs: list[float | None], n: int) -> list[int]:
+    """Indices of the n sequences with the highest cumulative logprob, best first (best_of)."""
+    if any(c is None for c in cumulative_logprobs):
+        raise ValueError("ranking needs every sequence's cumulative_logprob: run fan_out()'s params")
+    return sorted(range(len(cumulative_logprobs)), key=lambda i: -cumulative_logprobs[i])[:n]
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _is_real(x: object) -> bool:

@@ -42,10 +42,6 @@ class Scheduler:
         self.running: list[Sequence] = []  # in admission order: the last is the newest
         self.num_preemptions = 0
 
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
-
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
+from engine.logits_controls import TokenCounts
+from engine.logprobs import TokenLogprob
 from engine.sampling_params import SamplingParams
 
 
@@ -24,7 +26,6 @@ class RequestTimings:
     arrival: float
     first_scheduled: float | None = None
     first_token: float | None = None
-    finished: float | None = None
 
     @property
     def queue_wait_s(self) -> float | None:
@@ -43,7 +44,8 @@ class RequestTimings:
 
 
 class Sequence:
-    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, block_size: int):
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, block_size: int,
+                 eos_token_id: int | None = None):
         self.request_id = request_id
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
@@ -57,6 +59,14 @@ class Sequence:
         self.finish_reason: str | None = None
         self.timings = RequestTimings(arrival=time.monotonic())
         self.generator: torch.Generator | None = None  # per-request RNG when seeded
+        # The tokens that end this sequence; min_tokens keeps them from being sampled.
+        eos = () if eos_token_id is None or params.ignore_eos else (eos_token_id,)
+        self.stop_token_ids: tuple[int, ...] = tuple(dict.fromkeys(eos + params.stop_token_ids))
+        self.token_counts: TokenCounts | None = None  # for penalties, built on first use
+        # Logprobs, where the request asks for them: of each prompt token given its prefix
+        # (the first has none), filled in as prefill chunks compute them; of the output so far.
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None if params.prompt_logprobs is None else [None]
+        self.cumulative_logprob: float | None = None if params.logprobs is None else 0.0
 
     @property
     def num_tokens(self) -> int:
@@ -71,12 +81,20 @@ class Sequence:
         return self.token_ids[self.num_prompt_tokens :]
 
     @property
-    def num_blocks(self) -> int:
-        return len(self.block_table)
+    def needs_prompt_logprobs(self) -> bool:
+        """Still has prompt positions whose logprobs are to be computed."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
+
+    def append_token(self, token_id: int, logprob: TokenLogprob | None) -> None:
+        self.token_ids.append(token_id)
+        if self.token_counts is not None:
+            self.token_counts.add(token_id)
+        if logprob is not None:
+            self.cumulative_logprob += logprob.logprob
 
     @property
-    def is_finished(self) -> bool:
-        return self.status is SequenceStatus.FINISHED
+    def num_blocks(self) -> int:
+        return len(self.block_table)
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

@@ -28,3 +28,17 @@ def mixed_prompts(num: int, seed: int = 0) -> list[list[int]]:
     generator = torch.Generator().manual_seed(seed)
     lengths = [1, 3, 7, 16, 17, 33, 64, 120, 5, 48, 90, 2][:num]
     return [torch.randint(0, 50257, (n,), generator=generator).tolist() for n in lengths]
+
+
+def greedy_logprobs(llm, prompt: list[int], max_new_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
+    """One prompt alone through an engine, greedy: its tokens and each step's full-vocabulary
+    logprobs, read off the model's output (one sampling row per step)."""
+    from engine import SamplingParams
+
+    steps: list[torch.Tensor] = []
+    hook = llm.engine.runner.model.register_forward_hook(lambda _m, _a, out: steps.extend(out.log_softmax(-1)))
+    try:
+        out = llm.generate([prompt], SamplingParams(max_tokens=max_new_tokens, temperature=0, ignore_eos=True))
+    finally:
+        hook.remove()
+    return out[0].token_ids, steps

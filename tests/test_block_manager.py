@@ -65,8 +65,12 @@ def test_freed_blocks_stay_cached_until_evicted_least_recently_freed_first():
     # Two cached blocks (old's, then new's) and two plain free ones; the plain ones go first.
     filler = seq(list(range(200, 208)), "filler")
     manager.allocate(filler, 8)
-    assert manager.allocate_cached_prefix(seq(list(range(4)) + [1], "x")) == 4
-    manager.free(filler)
+    reuse = seq(list(range(4)) + [1], "x")
+    assert manager.allocate_cached_prefix(reuse) == 4
+    manager.free(reuse)  # old's block, freed again: now new's is the least recently freed
+    manager.allocate(seq(list(range(300, 304)), "one-more"), 4)  # only cached blocks are left: one goes
+    assert manager.allocate_cached_prefix(seq(list(range(100, 104)) + [1], "y")) == 0  # new's was evicted
+    assert manager.allocate_cached_prefix(seq(list(range(4)) + [1], "z")) == 4  # old's was kept
 
 
 def test_evicting_a_cached_block_forgets_its_hash():

@@ -16,7 +16,9 @@ import pytest
 import yaml
 from ray.dashboard.consts import DASHBOARD_METRIC_PORT
 
-from loadtest.chaos import ChaosConfig, check_loopback, run_chaos, summary
+from loadtest.chaos import check_loopback, run_chaos
+from loadtest.chaos_config import ChaosConfig
+from loadtest.chaos_verdict import summary
 from tests.serve_helpers import ROOT, free_port, serve_run
 
 pytestmark = pytest.mark.serve

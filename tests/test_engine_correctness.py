@@ -1,6 +1,6 @@
-"""The engine's greedy output is token-exact with Hugging Face transformers on the same weights,
-whatever the batching does: concurrent mixed-length prompts, prefix-cache hits, chunked
-prefill and preemption. And no KV block leaks once requests finish or are aborted."""
+"""The engine's greedy output (fp32, `linears: reference`) is token-exact with Hugging Face
+transformers on the same weights, whatever the batching does: concurrent mixed-length
+prompts, prefix-cache hits, chunked prefill and preemption. And no KV block leaks once requests finish or are aborted."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def references(hf_fp32):
 
 
 def make_llm(model_dir, **config) -> LLM:
-    return LLM(str(model_dir), weights="pretrained", dtype="float32", device="cpu", **config)
+    return LLM(str(model_dir), weights="pretrained", dtype="float32", device="cpu", linears="reference", **config)
 
 
 def shared_prefix_prompts() -> list[list[int]]:

@@ -14,6 +14,22 @@ import torch
 from engine.loader import hub_is_reachable, load_state_dict, load_tokenizer, resolve_model
 
 UNREACHABLE_HUB = "http://127.0.0.1:9"  # discard port: connection refused at once
+MARKER = "<rayinfer-marker>"  # a token only the directory's own tokenizer has
+
+
+@pytest.fixture
+def marked_model_dir(tiny_gpt2_dir: Path, tmp_path: Path) -> Path:
+    """The tiny checkpoint with a tokenizer the bundled one is not: one extra token."""
+    directory = tmp_path / "marked"
+    shutil.copytree(tiny_gpt2_dir, directory)
+    tokenizer = load_tokenizer(str(tiny_gpt2_dir))
+    tokenizer.add_tokens([MARKER])
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def has_marker(tokenizer) -> bool:
+    return tokenizer(MARKER)["input_ids"] == [50257]
 
 
 @pytest.fixture(autouse=True)
@@ -84,15 +100,16 @@ def test_bin_checkpoint_loads_the_same_state_dict_as_safetensors(tiny_gpt2_dir: 
     assert all(torch.equal(from_bin[k], from_safetensors[k]) for k in from_bin)
 
 
-def test_hub_id_in_the_local_cache_resolves_to_its_snapshot(offline_hub: Path, tiny_gpt2_dir: Path) -> None:
+def test_hub_id_in_the_local_cache_resolves_to_its_snapshot(offline_hub: Path, marked_model_dir: Path) -> None:
     snapshot = offline_hub / "models--openai-community--gpt2" / "snapshots" / "0123abc"
-    shutil.copytree(tiny_gpt2_dir, snapshot)
+    shutil.copytree(marked_model_dir, snapshot)
     (snapshot.parent.parent / "refs").mkdir()
     (snapshot.parent.parent / "refs" / "main").write_text("0123abc")
     source = resolve_model("openai-community/gpt2", weights="pretrained")
     assert source.weight_files == (snapshot / "model.safetensors",)
     assert source.config.n_layer == 2
     assert load_tokenizer("openai-community/gpt2")("Hello world")["input_ids"] == [15496, 995]
+    assert has_marker(load_tokenizer("openai-community/gpt2"))  # the snapshot's tokenizer, not the bundled one
 
 
 def test_non_gpt2_config_is_rejected(tmp_path: Path) -> None:
@@ -125,6 +142,8 @@ def test_bundled_tokenizer_round_trips_multilingual_text(gpt2_tokenizer, text: s
     assert gpt2_tokenizer.decode(gpt2_tokenizer(text)["input_ids"]) == text
 
 
-def test_local_dir_tokenizer_is_the_saved_one(tiny_gpt2_dir: Path, gpt2_tokenizer) -> None:
+def test_local_dir_tokenizer_is_the_saved_one(marked_model_dir: Path, gpt2_tokenizer) -> None:
     text = "Hello world, 你好 😀"
-    assert load_tokenizer(str(tiny_gpt2_dir))(text)["input_ids"] == gpt2_tokenizer(text)["input_ids"]
+    tokenizer = load_tokenizer(str(marked_model_dir))
+    assert tokenizer(text)["input_ids"] == gpt2_tokenizer(text)["input_ids"]
+    assert has_marker(tokenizer) and not has_marker(gpt2_tokenizer)

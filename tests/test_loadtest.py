@@ -24,9 +24,13 @@ from starlette.routing import Route
 
 from loadtest import bench
 from loadtest.headless import run_locust
-from loadtest.offline import OfflineTarget, run_offline
+from loadtest.http_target import BenchConfig, Target, request_body, run_benchmark
+from loadtest.offline_target import OfflineTarget, run_offline
 from loadtest.prompts import WORDS, Distribution, make_prompt
+from loadtest.results import BenchResult, Summary, percentile, summarize
 from loadtest.sse import SSEParser, StreamRecord, parse_chunk
+from loadtest.tables import repeats_table
+from loadtest.workload import Workload, arrival_gaps
 
 REPO = Path(__file__).resolve().parent.parent
 SERVER_TIMING = {"tokenize_ms": 1.5, "queue_wait_ms": 2.5, "prefill_ms": 3.5, "ttft_ms": 8.0}
@@ -211,11 +215,11 @@ SAMPLES = [[3.0], [1.0, 2.0], [5.0, 1.0, 4.0, 2.0, 3.0], list(np.random.default_
 @pytest.mark.parametrize("values", SAMPLES)
 @pytest.mark.parametrize("q", [0, 50, 95, 99, 100])
 def test_percentile_interpolates_linearly_like_numpy(values: list[float], q: float) -> None:
-    assert bench.percentile(values, q) == pytest.approx(float(np.percentile(values, q)))
+    assert percentile(values, q) == pytest.approx(float(np.percentile(values, q)))
 
 
 def test_summarize_scales_values_and_reports_mean_and_percentiles() -> None:
-    summary = bench.summarize([0.001 * v for v in range(1, 101)], scale=1000)
+    summary = summarize([0.001 * v for v in range(1, 101)], scale=1000)
     assert summary.mean == pytest.approx(50.5)
     assert summary.p50 == pytest.approx(50.5)
     assert summary.p95 == pytest.approx(95.05)
@@ -223,12 +227,12 @@ def test_summarize_scales_values_and_reports_mean_and_percentiles() -> None:
 
 
 def test_summarize_of_no_values_is_all_none() -> None:
-    assert bench.summarize([]) == bench.Summary(None, None, None, None)
+    assert summarize([]) == Summary(None, None, None, None)
 
 
 def test_fixed_arrivals_are_evenly_spaced_and_poisson_arrivals_average_the_rate() -> None:
-    assert bench.arrival_gaps(4, 2.0, "fixed", random.Random(0)) == [0.0, 0.5, 0.5, 0.5]
-    gaps = bench.arrival_gaps(20001, 4.0, "poisson", random.Random(0))
+    assert arrival_gaps(4, 2.0, "fixed", random.Random(0)) == [0.0, 0.5, 0.5, 0.5]
+    gaps = arrival_gaps(20001, 4.0, "poisson", random.Random(0))
     assert gaps[0] == 0.0
     assert sum(gaps[1:]) / 20000 == pytest.approx(0.25, rel=0.03)
 
@@ -359,12 +363,12 @@ def test_bench_repeats_alternate_the_servers_and_report_each_round_and_the_media
 
 
 def test_repeats_table_shares_are_the_first_server_over_the_last() -> None:
-    def result(label: str, round_: int, tok_s: float) -> bench.BenchResult:
-        summary = bench.Summary(1.0, 10.0 * round_, 2.0, 3.0)
-        return bench.BenchResult(label, "u", "completions", 1, None, 1, 1, 1, 1, 0, 1.0, 1, 1.0, 1.0, tok_s,
+    def result(label: str, round_: int, tok_s: float) -> BenchResult:
+        summary = Summary(1.0, 10.0 * round_, 2.0, 3.0)
+        return BenchResult(label, "u", "completions", 1, None, 1, 1, 1, 1, 0, 1.0, 1, 1.0, 1.0, tok_s,
                                  summary, summary, summary, summary, {}, round=round_)
 
-    table = bench.repeats_table([result("http", 1, 90.0), result("offline", 1, 100.0),
+    table = repeats_table([result("http", 1, 90.0), result("offline", 1, 100.0),
                                  result("http", 2, 60.0), result("offline", 2, 50.0),
                                  result("http", 3, 70.0), result("offline", 3, 100.0)])
     rows = table.splitlines()
@@ -378,17 +382,17 @@ def test_bench_refuses_repeats_with_a_sweep(fake_url: str, tmp_path: Path) -> No
 
 
 def test_run_benchmark_is_callable_from_code(fake_url: str) -> None:
-    workload = bench.Workload(num_requests=4, prompt_tokens=4, max_tokens=3, concurrency=2, warmup=0)
-    result = bench.run_benchmark(bench.BenchConfig(bench.Target(fake_url, "fake"), workload, show_progress=False))
+    workload = Workload(num_requests=4, prompt_tokens=4, max_tokens=3, concurrency=2, warmup=0)
+    result = run_benchmark(BenchConfig(Target(fake_url, "fake"), workload, show_progress=False))
     assert (result.successes, result.total_output_tokens) == (4, 12)
 
 
 def test_request_body_sends_model_and_ignore_eos_only_when_asked() -> None:
-    workload = bench.Workload(max_tokens=4, temperature=0.5)
-    plain = bench.request_body(bench.Target("http://x", "x"), " hi", workload)
+    workload = Workload(max_tokens=4, temperature=0.5)
+    plain = request_body(Target("http://x", "x"), " hi", workload)
     assert plain == {"max_tokens": 4, "temperature": 0.5, "stream": True,
                      "stream_options": {"include_usage": True}, "prompt": " hi"}
-    extended = bench.request_body(bench.Target("http://x", "x", model="gpt2", ignore_eos=True), " hi", workload)
+    extended = request_body(Target("http://x", "x", model="gpt2", ignore_eos=True), " hi", workload)
     assert (extended["model"], extended["ignore_eos"]) == ("gpt2", True)
 
 
@@ -424,7 +428,7 @@ def test_locust_counts_error_events_in_the_stream_as_failures(failing_url: str, 
 
 
 def test_the_offline_target_runs_the_workload_on_an_in_process_engine(tiny_gpt2_dir: Path) -> None:
-    workload = bench.Workload(num_requests=4, prompt_tokens=8, max_tokens=5, temperature=0.0, concurrency=2, warmup=1)
+    workload = Workload(num_requests=4, prompt_tokens=8, max_tokens=5, temperature=0.0, concurrency=2, warmup=1)
     result = run_offline(OfflineTarget(str(tiny_gpt2_dir), weights="pretrained", dtype="float32"), workload)
     assert (result.successes, result.failures) == (4, 0), result.errors
     assert result.total_output_tokens == 4 * 5

@@ -70,8 +70,9 @@ def scrape_until(url: str, expectations: dict, timeout_s: float = 30) -> None:
 def test_metrics_reach_rays_prometheus_export_with_sensible_values(server):
     base_url, metrics_url = server
     with httpx.Client(base_url=base_url, timeout=60) as client:
-        for _ in range(3):
-            body = {"model": "tiny", "prompt": "Hello there", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+        for _ in range(3):  # one prompt of over two KV blocks: the second and third reuse its cached prefix
+            body = {"model": "tiny", "prompt": "Hello there, " * 12, "max_tokens": 6, "temperature": 0,
+                    "ignore_eos": True}
             assert client.post("/v1/completions", json=body).status_code == 200
         assert client.post("/v1/completions", json={"model": "tiny", "prompt": ""}).status_code == 400
     at_least = lambda n: lambda v: v >= n  # noqa: E731
@@ -85,11 +86,12 @@ def test_metrics_reach_rays_prometheus_export_with_sensible_values(server):
         ("ray_rayinfer_tpot_seconds_count",): at_least(3),
         ("ray_rayinfer_e2e_seconds_count",): at_least(3),
         ("ray_rayinfer_queue_wait_seconds_count",): at_least(3),
-        ("ray_rayinfer_running_requests",): lambda v: v >= 0,
-        ("ray_rayinfer_waiting_requests",): lambda v: v >= 0,
+        ("ray_rayinfer_running_requests",): lambda v: v == 0,  # idle once the requests are done
+        ("ray_rayinfer_waiting_requests",): lambda v: v == 0,
+        ("ray_rayinfer_kv_blocks_used",): lambda v: v == 0,
         ("ray_rayinfer_kv_blocks_total",): lambda v: v == NUM_KV_BLOCKS,
         ("ray_rayinfer_kv_cache_usage",): lambda v: 0 <= v <= 1,
-        ("ray_rayinfer_prefix_cache_hit_rate",): lambda v: 0 <= v <= 1,
+        ("ray_rayinfer_prefix_cache_hit_rate",): lambda v: 0 < v <= 1,
         ("ray_rayinfer_tokenizer_batch_size_count",): at_least(4),
         ("ray_rayinfer_tokenizer_latency_seconds_count",): at_least(4),
     })

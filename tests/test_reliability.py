@@ -22,12 +22,15 @@ from ray import serve
 
 from deployments.app import make_app
 from engine import LLM, SamplingParams
+from tests.http_helpers import (
+    MODEL, PROMPTS, Stream, assert_openai_error, check_engine_integrity, greedy, health_of, run_async, until,
+    wait_for, wait_until_idle,
+)
 from tests.serve_helpers import running_app
 
 pytestmark = pytest.mark.serve
 
 APP = "rayinfer"
-MODEL = "tiny"
 API_KEY = f"sk-test-{uuid.uuid4().hex}"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 MAX_BODY_BYTES = 16 * 1024
@@ -42,7 +45,6 @@ DEPLOYMENT_OPTIONS = {
                 "backpressure_config": {"status_code": 429, "retry_after_s": 1}},
 }
 LONG = 900  # output tokens of a stream that outlives the steps a test takes around it
-PROMPTS = ["Hello, my name is", "The capital of France is", "def fibonacci(n):"]
 RECOVERY_TIMEOUT_S = 90
 
 
@@ -71,113 +73,26 @@ def offline(tiny_gpt2_dir: Path) -> LLM:
 
 
 @pytest.fixture(autouse=True)
-def engine_is_idle_after_each_test(client: httpx.Client) -> Iterator[None]:
+def the_serving_engine_is_idle_and_intact_after_each_test(client: httpx.Client) -> Iterator[None]:
+    """After the crash and kill tests the serving engine is the replacement: those tests
+    check what happened to the old one themselves."""
     yield
     health = wait_until_idle(client)
     stats = health["stats"]
     assert (health["num_active_requests"], stats["num_running"], stats["num_waiting"]) == (0, 0, 0), health
     assert stats["num_kv_blocks_used"] == 0, "KV blocks leaked"
+    check_engine_integrity(APP)
 
 
 # ---- helpers ----
-
-
-def health_of(client: httpx.Client) -> tuple[int, dict]:
-    response = client.get("/health", headers={})
-    return response.status_code, response.json()
-
-
-def wait_until_idle(client: httpx.Client, timeout_s: float = RECOVERY_TIMEOUT_S) -> dict:
-    """/health once the engine is up, idle and has every KV block back (or at the timeout)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        status, health = health_of(client)
-        if status == 200:
-            stats = health["stats"]
-            if health["num_active_requests"] == 0 and stats["num_running"] + stats["num_waiting"] == 0 \
-                    and stats["num_kv_blocks_used"] == 0:
-                return health
-        if time.monotonic() > deadline:
-            return health
-        time.sleep(0.1)
-
-
-def wait_for(predicate, timeout_s: float = 20, interval_s: float = 0.05) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(interval_s)
-
-
-def greedy(prompt: str | list[int], max_tokens: int = 12, **fields) -> dict:
-    return {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **fields}
 
 
 def long_stream(prompt: str, max_tokens: int = LONG) -> dict:
     return greedy(prompt, max_tokens=max_tokens, ignore_eos=True, stream=True)
 
 
-def assert_openai_error(response: httpx.Response, status: int, type: str, param: str | None = None) -> dict:
-    assert response.status_code == status, response.text
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"} and error["message"]
-    assert (error["type"], error["param"]) == (type, param), error
-    return error
-
-
-class Stream:
-    """An SSE response read in the background: its payloads, and a way to drop it."""
-
-    def __init__(self, http: httpx.AsyncClient, body: dict) -> None:
-        self.payloads: list[str] = []
-        self.status: int | None = None
-        self.first_chunk = asyncio.Event()
-        self.task = asyncio.create_task(self._read(http, body))
-
-    async def _read(self, http: httpx.AsyncClient, body: dict) -> None:
-        async with http.stream("POST", "/v1/completions", json=body) as response:
-            self.status = response.status_code
-            async for line in response.aiter_lines():
-                if line:
-                    self.payloads.append(line.removeprefix("data: "))
-                    self.first_chunk.set()
-        self.first_chunk.set()
-
-    async def drop(self) -> None:
-        """Close the connection wherever the request is (queued, mid-stream)."""
-        self.task.cancel()
-        await asyncio.gather(self.task, return_exceptions=True)
-
-    @property
-    def text(self) -> str:
-        return "".join(json.loads(p)["choices"][0]["text"] for p in self.payloads[:-1])
-
-    @property
-    def error(self) -> dict | None:
-        errors = [json.loads(p)["error"] for p in self.payloads if p != "[DONE]" and "error" in json.loads(p)]
-        return errors[0] if errors else None
-
-
-def run(coro_fn, base_url: str):
-    async def main():
-        async with httpx.AsyncClient(base_url=base_url, timeout=180, headers=AUTH) as http:
-            return await coro_fn(http)
-
-    return asyncio.run(main())
-
-
-async def health_async(http: httpx.AsyncClient) -> dict:
-    return (await http.get("/health")).json()
-
-
-async def until(http: httpx.AsyncClient, predicate, timeout_s: float = 20) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        health = await health_async(http)
-        if predicate(health):
-            return health
-        assert time.monotonic() < deadline, f"not reached: {health}"
-        await asyncio.sleep(0.02)
+def run(scenario, base_url: str):
+    return run_async(scenario, base_url, AUTH)
 
 
 async def fill_the_engine(http: httpx.AsyncClient) -> list[Stream]:
@@ -479,14 +394,27 @@ def test_an_engine_crash_ends_live_streams_with_an_error_event_and_serve_replace
         assert stream.status == 200 and stream.payloads[-1] == "[DONE]"
         assert stream.error["type"] == "server_error"
         assert "error" in json.loads(stream.payloads[-2])  # the error event comes last, then [DONE]
-    status, health = health_of(client)
-    if status == 503:  # else Serve was faster than us and already replaced it
-        assert health["status"] == "dead"
-        response = client.post("/v1/completions", json=greedy(PROMPTS[0], max_tokens=4))
-        assert assert_openai_error(response, 503, "server_error")["code"] == "service_unavailable"
-        assert response.headers["retry-after"] == "1"
     assert set(wait_until_served(client)) <= {503}
     wait_for(lambda: replica_names("EngineDeployment") not in ([], [old_name]), RECOVERY_TIMEOUT_S, 0.5)
+
+
+def test_a_dead_engine_makes_health_and_requests_a_503_with_retry_after(tiny_gpt2_dir: Path, base_url: str) -> None:
+    # Its own app, whose engine Serve health-checks too rarely to replace within the test:
+    # the dead engine stays up to be asked.
+    options = DEPLOYMENT_OPTIONS | {"EngineDeployment": {"health_check_period_s": 600}}
+    serve.run(make_app(app_args(tiny_gpt2_dir, api_keys=[]), options), name="dead", route_prefix="/dead")
+    try:
+        serve.get_deployment_handle("EngineDeployment", "dead").inject_fault_for_tests.remote().result()
+        with httpx.Client(base_url=f"{base_url}/dead", timeout=60) as dead:
+            crashed = dead.post("/v1/completions", json=greedy(PROMPTS[0], max_tokens=4))  # its step raises
+            assert assert_openai_error(crashed, 503, "server_error")["code"] == "service_unavailable"
+            status, health = health_of(dead)
+            assert (status, health["status"]) == (503, "dead")
+            response = dead.post("/v1/completions", json=greedy(PROMPTS[0], max_tokens=4))
+            assert assert_openai_error(response, 503, "server_error")["code"] == "service_unavailable"
+            assert response.headers["retry-after"] == "1"
+    finally:
+        serve.delete("dead")
 
 
 def test_a_killed_engine_replica_is_replaced_and_service_resumes(client: httpx.Client) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,8 +19,11 @@ from deployments.app import build_app
 from deployments.handles import over_grpc
 from deployments.encoding import Encoded, EncodeRequest
 from engine import LLM, SamplingParams
-from loadtest.bench import Workload
-from loadtest.handle import HandleTarget, run_over_handle
+from loadtest.workload import Workload
+from loadtest.handle_target import HandleTarget, run_over_handle
+from tests.http_helpers import (
+    PROMPTS, check_engine_integrity, engine_health, greedy, sse_payloads, wait_until_idle,
+)
 from tests.serve_helpers import running_app
 
 pytestmark = pytest.mark.serve
@@ -30,7 +32,6 @@ APP = "rayinfer"
 # 48 blocks x 16 tokens = 768 tokens: requests within the 1024-token context that the
 # engine, not the tokenizer, must reject.
 ENGINE_ARGS = {"num_kv_blocks": 48, "max_num_seqs": 32, "max_num_batched_tokens": 256}
-PROMPTS = ["Hello, my name is", "The capital of France is", "def fibonacci(n):"]
 
 
 @pytest.fixture(scope="module")
@@ -50,33 +51,6 @@ def client(base_url: str) -> Iterator[httpx.Client]:
 @pytest.fixture(scope="module")
 def oai(base_url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
-
-
-def sse_payloads(response: httpx.Response) -> list[str]:
-    assert response.headers["content-type"].startswith("text/event-stream")
-    lines = [line for line in response.iter_lines() if line]
-    assert all(line.startswith("data: ") for line in lines), lines
-    return [line.removeprefix("data: ") for line in lines]
-
-
-def engine_health(client: httpx.Client) -> dict:
-    response = client.get("/health")
-    assert response.status_code == 200, response.text
-    return response.json()
-
-
-def wait_until_engine_idle(client: httpx.Client, timeout_s: float = 10) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        health = engine_health(client)
-        idle = health["num_active_requests"] == 0 and health["stats"]["num_running"] == 0
-        if (idle and health["stats"]["num_kv_blocks_used"] == 0) or time.monotonic() > deadline:
-            return health
-        time.sleep(0.1)
-
-
-def greedy(prompt: str | list[int], max_tokens: int = 12, **fields) -> dict:
-    return {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **fields}
 
 
 def test_sse_stream_sends_token_chunks_then_usage_then_done(client: httpx.Client) -> None:
@@ -222,7 +196,7 @@ def test_the_benchmark_drives_the_engine_deployment_over_a_serve_handle(client: 
     assert result.url == f"serve handle {APP}/EngineDeployment"
     assert result.ttft_ms.p50 > 0 and result.tpot_ms.p50 > 0
     assert ray.is_initialized()  # this test's own driver connection is left alone
-    health = wait_until_engine_idle(client)
+    health = wait_until_idle(client)
     assert health["num_active_requests"] == 0 and health["stats"]["num_kv_blocks_used"] == 0
 
 
@@ -236,32 +210,34 @@ def test_over_grpc_keeps_the_handle_on_a_ray_without_the_option() -> None:
 
 
 def test_a_client_disconnect_mid_stream_aborts_the_request_in_the_engine(client: httpx.Client) -> None:
-    before = wait_until_engine_idle(client)["stats"]["num_generated_tokens"]
+    before = wait_until_idle(client)["stats"]["num_generated_tokens"]
     body = greedy(PROMPTS[0], max_tokens=700, ignore_eos=True, stream=True)
     with client.stream("POST", "/v1/completions", json=body) as response:
         lines = response.iter_lines()
         assert next(lines).startswith("data: ")
         assert engine_health(client)["num_active_requests"] == 1
     # Closing the response closed the connection mid-stream.
-    health = wait_until_engine_idle(client)
+    health = wait_until_idle(client)
     assert health["num_active_requests"] == 0
     assert health["stats"]["num_kv_blocks_used"] == 0
     assert health["stats"]["num_generated_tokens"] - before < 700  # aborted, not run to the end
+    check_engine_integrity(APP)
 
 
 def test_a_stop_string_ends_the_stream_with_stop_and_aborts_the_engine_request(client: httpx.Client) -> None:
     full = client.post("/v1/completions", json=greedy(PROMPTS[0], max_tokens=40, ignore_eos=True)).json()
     text = full["choices"][0]["text"]
     stop = text[len(text) // 3 : len(text) // 3 + 3]
-    before = wait_until_engine_idle(client)["stats"]["num_generated_tokens"]
+    before = wait_until_idle(client)["stats"]["num_generated_tokens"]
     body = greedy(PROMPTS[0], max_tokens=700, ignore_eos=True, stop=[stop], stream=True)
     with client.stream("POST", "/v1/completions", json=body) as response:
         chunks = [json.loads(p) for p in sse_payloads(response)[:-1]]
     assert "".join(c["choices"][0]["text"] for c in chunks) == text[: text.index(stop)]
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
-    health = wait_until_engine_idle(client)
+    health = wait_until_idle(client)
     assert health["num_active_requests"] == 0 and health["stats"]["num_kv_blocks_used"] == 0
     assert health["stats"]["num_generated_tokens"] - before < 700
+    check_engine_integrity(APP)
 
 
 @pytest.mark.parametrize(
@@ -328,10 +304,15 @@ def test_the_final_chunk_carries_the_server_timing_breakdown(client: httpx.Clien
 
 
 def test_n_choices_run_as_separate_engine_requests(client: httpx.Client) -> None:
+    before = wait_until_idle(client)["stats"]
     body = client.post("/v1/completions", json={"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 8, "n": 2,
                                                  "seed": 1, "ignore_eos": True}).json()
     assert [c["index"] for c in body["choices"]] == [0, 1]
     assert body["usage"]["completion_tokens"] == 16
+    after = wait_until_idle(client)["stats"]
+    # The engine counts a request's prompt once, at its first token: two requests, twice.
+    assert after["num_prompt_tokens"] - before["num_prompt_tokens"] == 2 * body["usage"]["prompt_tokens"]
+    assert after["num_generated_tokens"] - before["num_generated_tokens"] == 16
 
 
 def test_models_and_health_report_the_engine(client: httpx.Client, tiny_gpt2_dir: Path) -> None:

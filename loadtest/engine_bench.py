@@ -1,7 +1,7 @@
 """Offline throughput benchmark: the engine vs Hugging Face `generate` (static batch), same run.
 
-    python -m engine.bench                      # GPT-2-small, random weights, bf16 on CPU
-    python -m engine.bench --num-requests 32 --prompt-len 16 --max-tokens 64 --dtype bfloat16
+    python -m loadtest.engine_bench                      # GPT-2-small, random weights, bf16 on CPU
+    python -m loadtest.engine_bench --num-requests 32 --prompt-len 16 --max-tokens 64 --dtype bfloat16
 
 Prints tokens/s for both and the engine's single-request decode latency per token.
 """

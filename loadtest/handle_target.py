@@ -1,4 +1,4 @@
-"""A running app's engine deployment as a benchmark target: bench.py's workload sent over a
+"""A running app's engine deployment as a benchmark target: the workload sent over a
 Serve handle from this process, which joins the app's Ray cluster. Ray's transport and the
 engine replica are in the path; the proxy, the ingress, the tokenizer deployment and HTTP
 are not. Run beside the HTTP and offline targets, it splits the gap between them:
@@ -17,8 +17,9 @@ from ray import serve
 
 from deployments.handles import over_grpc
 from engine import GenerationChunk, SamplingParams
-from loadtest.bench import BenchResult, Workload
-from loadtest.offline import measure
+from loadtest.engine_streams import measure
+from loadtest.results import BenchResult
+from loadtest.workload import Workload
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,67 @@
+"""The rules a request must meet to ever run, each stated once.
+
+The engine checks them when a request is added; the tokenizer deployment checks the
+prompt rules before a request reaches the engine, so a bad prompt is a 400 naming its
+field. A broken rule raises InvalidRequestError (a ValueError) carrying that field.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Container, Sequence
+
+from engine.sampling_params import SamplingParams
+
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+
+
+class InvalidRequestError(ValueError):
+    def __init__(self, message: str, param: str = "prompt", code: str | None = None):
+        super().__init__(message)
+        self.param, self.code = param, code
+
+    def __reduce__(self):  # keep param and code across Ray's pickling
+        return (type(self), (str(self), self.param, self.code))
+
+
+def check_request_id_free(request_id: str, in_use: Container[str]) -> None:
+    if request_id in in_use:
+        raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
+
+
+def check_prompt(token_ids: Sequence[object], vocab_size: int, param: str = "prompt") -> None:
+    if not token_ids:
+        raise InvalidRequestError(f"{param} must not be empty", param)
+    if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size for t in token_ids):
+        raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab_size})", param)
+
+
+def check_params(params: SamplingParams, vocab_size: int) -> None:
+    """What SamplingParams cannot check alone: token ids against the vocabulary, and one
+    sequence per engine request."""
+    if any(t >= vocab_size for t in params.stop_token_ids):
+        raise InvalidRequestError(f"stop_token_ids must be token ids below the vocabulary size {vocab_size}",
+                                  "stop_token_ids")
+    if params.logit_bias and any(t >= vocab_size for t in params.logit_bias):
+        raise InvalidRequestError(f"logit_bias keys must be token ids below the vocabulary size {vocab_size}",
+                                  "logit_bias")
+    if params.num_sequences > 1 or params.best_of is not None:
+        raise InvalidRequestError(f"n ({params.n}) and best_of ({params.best_of}) describe several sequences; "
+                                  "the engine runs one per request: submit each of params.fan_out()", "n")
+
+
+def check_context(num_prompt_tokens: int, max_tokens: int, max_model_len: int, param: str = "prompt") -> None:
+    """Prompt and output within the context (max_tokens 0: the prompt alone, scored)."""
+    if num_prompt_tokens + max_tokens <= max_model_len:
+        return
+    if num_prompt_tokens >= max_model_len:
+        raise InvalidRequestError(f"{param} is {num_prompt_tokens} tokens, the model's context is {max_model_len}: "
+                                  "no room to generate", param, CONTEXT_LENGTH_EXCEEDED)
+    raise InvalidRequestError(f"{param} ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds the "
+                              f"model's context of {max_model_len} tokens", "max_tokens", CONTEXT_LENGTH_EXCEEDED)
+
+
+def check_kv_blocks(num_tokens: int, block_size: int, num_blocks: int) -> None:
+    needed = -(-num_tokens // block_size)
+    if needed > num_blocks:
+        raise InvalidRequestError(f"request needs {needed} KV blocks but the cache holds {num_blocks}; "
+                                  "lower max_tokens or raise num_kv_blocks", "max_tokens")

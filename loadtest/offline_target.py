@@ -1,0 +1,30 @@
+"""The offline engine as a benchmark target: the workload run against an in-process
+AsyncEngine (no HTTP, no Ray), measured the same way. It is the ceiling the
+HTTP-through-Ray path is compared with.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from engine import AsyncEngine, EngineConfig
+from loadtest.engine_streams import measure
+from loadtest.results import BenchResult
+from loadtest.workload import Workload
+
+
+@dataclass(frozen=True)
+class OfflineTarget:
+    model: str = "gpt2"
+    weights: str = "random"
+    dtype: str = "bfloat16"
+    label: str = "offline engine"
+
+
+def run_offline(target: OfflineTarget, workload: Workload) -> BenchResult:
+    engine = AsyncEngine(EngineConfig(model=target.model, weights=target.weights, dtype=target.dtype, device="cpu"))
+    try:
+        return asyncio.run(measure(engine.generate, target.model, target.label, workload))
+    finally:
+        engine.shutdown()

@@ -1,0 +1,154 @@
+"""The scale-out benchmark: one prefix workload (loadtest/prefix_workloads.py) against the
+app of a Serve config file under several engine setups, one after the other, each on a
+fresh local Ray (so every setup starts with empty prefix caches):
+
+    prefix-router   the config as it is (configs/scale-out.yaml: 2 replicas, PrefixAffinityRouter)
+    serve-default   the same with Serve's default router (PowerOfTwoChoicesRequestRouter)
+    one-replica     1 engine replica with all the engine CPUs of the two (2x the threads)
+
+    python -m loadtest.scale_bench --config configs/scale-out.yaml --workload shared \\
+        --setups prefix-router,serve-default --weights random --engine num_kv_blocks=160
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import ray
+import yaml
+from ray import serve
+
+from deployments.app import make_app
+from loadtest.http_target import Target
+from loadtest.prefix_workloads import LoadSampler, PrefixWorkload, ReplicaCounts, engine_replica_counts, run_http
+from loadtest.results import BenchResult
+
+SERVE_DEFAULT_ROUTER = "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter"
+SETUPS = ("prefix-router", "serve-default", "one-replica")
+BLOCK_SIZE = 16
+
+
+@dataclass(frozen=True)
+class SetupResult:
+    setup: str
+    bench: BenchResult
+    replicas: dict[str, ReplicaCounts]
+    mean_active: dict[str, float]  # requests in flight, averaged over the run
+    ideal_hit_tokens: int
+
+    @property
+    def hit_rate(self) -> float:
+        queried = sum(c.num_prefix_queried_tokens for c in self.replicas.values())
+        return sum(c.num_prefix_hit_tokens for c in self.replicas.values()) / max(queried, 1)
+
+    @property
+    def share_of_ideal(self) -> float | None:
+        hits = sum(c.num_prefix_hit_tokens for c in self.replicas.values())
+        return hits / self.ideal_hit_tokens if self.ideal_hit_tokens else None
+
+    @property
+    def max_over_mean_requests(self) -> float:
+        counts = [c.num_requests for c in self.replicas.values()]
+        return max(counts) / statistics.mean(counts)
+
+    @property
+    def max_over_mean_active(self) -> float:
+        return max(self.mean_active.values()) / max(statistics.mean(self.mean_active.values()), 1e-9)
+
+
+def app_from_config(config_path: Path, setup: str, overrides: dict) -> serve.Application:
+    """The config file's first application, as `serve run` would build it, for one setup."""
+    application = yaml.safe_load(config_path.read_text())["applications"][0]
+    args = copy.deepcopy(application["args"])
+    args.update({k: v for k, v in overrides.items() if k != "engine"})
+    args["engine"] = {**args.get("engine", {}), **overrides.get("engine", {})}
+    options = {d["name"]: {k: v for k, v in d.items() if k != "name"} for d in application.get("deployments", [])}
+    engine = options.setdefault("EngineDeployment", {})
+    if setup == "serve-default":
+        engine["request_router_config"] = {"request_router_class": SERVE_DEFAULT_ROUTER}
+    elif setup == "one-replica":
+        replicas = engine.pop("num_replicas", 2)
+        args["engine_num_cpus"] = args.get("engine_num_cpus", 0.5) * replicas
+        engine.update(num_replicas=1, request_router_config={"request_router_class": SERVE_DEFAULT_ROUTER})
+    return make_app(args, options)
+
+
+def run_setup(config_path: Path, setup: str, overrides: dict, workload: PrefixWorkload, port: int) -> SetupResult:
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(app_from_config(config_path, setup, overrides), name="rayinfer", route_prefix="/")
+        target = Target(f"http://127.0.0.1:{port}", setup, model=None, ignore_eos=True)
+        _warm_up(target.url)
+        before = engine_replica_counts()
+        with LoadSampler() as load:
+            bench = run_http(target, workload)
+        after = engine_replica_counts()
+        counts = {r: after[r].minus(before.get(r, ReplicaCounts(0, 0, 0))) for r in after}
+        return SetupResult(setup, bench, counts, load.mean_active(), workload.ideal_hit_tokens(BLOCK_SIZE))
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def _warm_up(url: str) -> None:
+    """One short request per replica's worth, so no setup pays for first-call costs."""
+    for _ in range(4):
+        body = {"prompt": "warm up", "max_tokens": 2}
+        httpx.post(f"{url}/v1/completions", json=body, timeout=120, trust_env=False).raise_for_status()
+
+
+def table(results: Sequence[SetupResult]) -> str:
+    header = ("| setup | req/s | output tok/s | TTFT p50 ms | TTFT p95 ms | prefix hit rate | hits / ideal "
+              "| requests per replica | max/mean requests | max/mean in flight | failed |")
+    rows = [header, "|" + "---|" * 11]
+    for r in results:
+        ideal = "-" if r.share_of_ideal is None else f"{r.share_of_ideal:.0%}"
+        per_replica = " / ".join(str(c.num_requests) for c in sorted(r.replicas.values(), key=lambda c: -c.num_requests))
+        rows.append(f"| {r.setup} | {r.bench.request_throughput:.2f} | {r.bench.output_throughput:.1f} "
+                    f"| {r.bench.ttft_ms.p50:.0f} | {r.bench.ttft_ms.p95:.0f} | {r.hit_rate:.0%} | {ideal} "
+                    f"| {per_replica} | {r.max_over_mean_requests:.2f} | {r.max_over_mean_active:.2f} | {r.bench.failures} |")
+    return "\n".join(rows)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", type=Path, default=Path("configs/scale-out.yaml"))
+    parser.add_argument("--workload", choices=("shared", "hot", "free"), default="shared")
+    parser.add_argument("--setups", default="prefix-router,serve-default")
+    parser.add_argument("--model", default=None, help="override the config's model")
+    parser.add_argument("--weights", default=None, help="override the config's weights (auto|pretrained|random)")
+    parser.add_argument("--dtype", default=None)
+    parser.add_argument("--engine", action="append", default=[], metavar="KEY=INT", help="an EngineConfig override")
+    parser.add_argument("--port", type=int, default=8000)
+    for name, default in (("num-requests", 96), ("num-prefixes", 12), ("prefix-tokens", 256),
+                          ("suffix-tokens", 16), ("max-tokens", 16), ("concurrency", 8), ("seed", 0)):
+        parser.add_argument(f"--{name}", type=int, default=default)
+    parser.add_argument("--hot-share", type=float, default=0.8)
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    workload = PrefixWorkload(args.workload, args.num_requests, args.num_prefixes, args.prefix_tokens,
+                              args.suffix_tokens, args.max_tokens, args.concurrency, args.hot_share, args.seed)
+    overrides = {k: v for k, v in (("model", args.model), ("weights", args.weights), ("dtype", args.dtype)) if v}
+    overrides["engine"] = {key: int(value) for key, value in (item.split("=", 1) for item in args.engine)}
+    results = []
+    for setup in args.setups.split(","):
+        if setup not in SETUPS:
+            raise SystemExit(f"unknown setup {setup!r}; choose from {', '.join(SETUPS)}")
+        results.append(run_setup(args.config, setup, overrides, workload, args.port))
+    print(f"workload: {workload}")
+    print(table(results))
+    return 1 if any(r.bench.failures for r in results) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,98 @@
+"""The router's policy (deployments/prefix_routing.py) on its own: a prompt's key is the
+engine's own prefix-cache key, every process computes the same one, rendezvous order moves
+few keys when replicas come and go, and the load bound caps every replica."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections import Counter
+
+from deployments.prefix_routing import choose, load_bound, prefix_key, rendezvous_order
+from engine.block_manager import BlockManager
+from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence
+
+BLOCK = 16
+REPLICAS = [f"replica-{i}" for i in range(4)]
+
+
+def engine_block_hashes(tokens: list[int]) -> list[int]:
+    """The hashes the engine's prefix cache files tokens' full blocks under."""
+    manager = BlockManager(64, BLOCK)
+    seq = Sequence("r", tokens, SamplingParams(), BLOCK)
+    manager.allocate(seq, seq.num_tokens)
+    seq.num_computed_tokens = seq.num_tokens
+    manager.commit_full_blocks(seq)
+    return seq.block_hashes
+
+
+def test_the_key_is_the_engines_prefix_cache_key_of_the_leading_blocks():
+    tokens = list(range(1000, 1000 + 5 * BLOCK + 3))
+    hashes = engine_block_hashes(tokens)
+    assert prefix_key(tokens, BLOCK, key_blocks=4) == hashes[3]
+    assert prefix_key(tokens, BLOCK, key_blocks=2) == hashes[1]
+    assert prefix_key(tokens, BLOCK, key_blocks=99) == hashes[4]  # every full block but the last token's
+
+
+def test_prompts_sharing_the_leading_blocks_share_a_key_and_others_do_not():
+    prefix = list(range(4 * BLOCK))
+    assert prefix_key(prefix + [1, 2, 3], BLOCK, 4) == prefix_key(prefix + [7] * 40, BLOCK, 4)
+    assert prefix_key([5] + prefix[1:] + [1], BLOCK, 4) != prefix_key(prefix + [1], BLOCK, 4)
+
+
+def test_a_prompt_without_a_full_block_has_no_key():
+    assert prefix_key(list(range(BLOCK)), BLOCK, 4) is None  # its last token is never cached
+    assert prefix_key(list(range(BLOCK + 1)), BLOCK, 4) is not None
+
+
+def test_every_process_computes_the_same_keys_and_order():
+    """Several ingress replicas route at once, each with its own router: they agree only if
+    the key and the order do not depend on the process (Python salts str hashes)."""
+    tokens = list(range(300))
+    code = ("import json; from deployments.prefix_routing import prefix_key, rendezvous_order; "
+            f"k = prefix_key({tokens}, {BLOCK}, 4); print(json.dumps([k, rendezvous_order(k, {REPLICAS})]))")
+    outputs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+               for _ in range(2)}
+    key = prefix_key(tokens, BLOCK, 4)
+    assert outputs == {json.dumps([key, rendezvous_order(key, REPLICAS)]) + "\n"}
+
+
+def test_removing_a_replica_moves_only_the_keys_it_was_first_choice_for():
+    keys = [prefix_key(list(range(i, i + 80)), BLOCK, 4) for i in range(400)]
+    before = {key: rendezvous_order(key, REPLICAS)[0] for key in keys}
+    after = {key: rendezvous_order(key, REPLICAS[:3])[0] for key in keys}
+    moved = [key for key in keys if before[key] != after[key]]
+    assert moved and all(before[key] == "replica-3" for key in moved)
+    assert min(Counter(before.values()).values()) > 400 / 4 * 0.6  # and spreads them evenly
+
+
+def test_a_key_goes_to_its_first_choice_while_that_is_within_the_bound():
+    key = prefix_key(list(range(100)), BLOCK, 4)
+    first, second = rendezvous_order(key, REPLICAS[:2])
+    assert choose(key, {first: 0, second: 0}, eps=0.25).replica_id == first
+    assert choose(key, {first: 4, second: 4}, eps=0.25).decision == "affinity"
+
+
+def test_past_the_bound_a_key_spills_to_its_second_choice():
+    key = prefix_key(list(range(100)), BLOCK, 4)
+    order = rendezvous_order(key, REPLICAS)
+    loads = {order[0]: 10, order[1]: 1, order[2]: 0, order[3]: 0}
+    choice = choose(key, loads, eps=0.25)
+    assert (choice.replica_id, choice.decision) == (order[1], "spill")  # not the least loaded
+
+
+def test_a_hot_key_never_puts_a_replica_past_the_bound():
+    key = prefix_key(list(range(100)), BLOCK, 4)
+    loads = dict.fromkeys(REPLICAS, 0)
+    for _ in range(200):
+        bound = load_bound(sum(loads.values()), len(loads), 0.25)
+        replica = choose(key, loads, eps=0.25).replica_id
+        loads[replica] += 1
+        assert loads[replica] <= bound
+    assert max(loads.values()) <= 1.25 * 200 / 4 + 1
+
+
+def test_requests_without_a_key_go_to_the_least_loaded():
+    assert choose(None, {"a": 3, "b": 1, "c": 2}, eps=0.25).replica_id == "b"

@@ -1,0 +1,192 @@
+"""Several engine replicas behind PrefixAffinityRouter, for real: Ray Serve on CPU, real
+HTTP, the tiny checkpoint. Each prompt is a list of token ids, so its key is known here:
+a prefix's requests all land on its rendezvous first choice, a burst on one prefix spills
+to its second choice within the load bound, replicas added or removed mid-run take or hand
+over keys without a failed request, and the router's metrics reach Prometheus."""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+import ray
+from ray import serve
+
+from deployments.app import make_app
+from deployments.prefix_routing import prefix_key, rendezvous_order
+from tests.serve_helpers import free_port, running_app
+from tests.test_observability import scrape_until
+
+pytestmark = pytest.mark.serve
+
+APP = "rayinfer"
+BLOCK = 16  # EngineConfig's default block_size
+KEY_BLOCKS = 4
+EPS = 0.5
+ROUTER = {"request_router_class": "deployments.router:PrefixAffinityRouter",
+          "request_router_kwargs": {"load_bound_eps": EPS, "key_blocks": KEY_BLOCKS},
+          "request_routing_stats_period_s": 0.2}
+
+
+def app_args(tiny_gpt2_dir: Path) -> dict:
+    return {"model": str(tiny_gpt2_dir), "served_model_name": "tiny", "dtype": "float32",
+            "engine_num_cpus": 0.4, "tokenizer_num_replicas": 1,
+            "engine": {"num_kv_blocks": 256, "max_num_seqs": 32, "max_num_batched_tokens": 512}}
+
+
+def engine_options(num_replicas: int) -> dict:
+    return {"EngineDeployment": {"num_replicas": num_replicas, "request_router_config": ROUTER,
+                                 "graceful_shutdown_timeout_s": 5}}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_gpt2_dir: Path) -> Iterator[tuple[str, str]]:
+    metrics_port = free_port()
+    with running_app(make_app(app_args(tiny_gpt2_dir), engine_options(2)), APP, _metrics_export_port=metrics_port,
+                     _system_config={"metrics_report_interval_ms": 500}) as url:
+        yield url, f"http://127.0.0.1:{metrics_port}/metrics"
+
+
+def engine_replicas() -> dict[str, ray.actor.ActorHandle]:
+    """Each running engine replica's actor, by its replica id (what the router ranks)."""
+    prefix = f"SERVE_REPLICA::{APP}#EngineDeployment#"
+    names = [actor["name"] for actor in ray.util.list_named_actors(all_namespaces=True)
+             if actor["namespace"] == "serve" and actor["name"].startswith(prefix)]
+    return {name.removeprefix(prefix): ray.get_actor(name, namespace="serve") for name in names}
+
+
+def served() -> dict[str, int]:
+    """Requests each engine replica has served since it started."""
+    return {replica_id: ray.get(actor.record_routing_stats.remote())["num_requests"]
+            for replica_id, actor in engine_replicas().items()}
+
+
+def new_requests(before: dict[str, int]) -> dict[str, int]:
+    return {replica_id: count - before.get(replica_id, 0) for replica_id, count in served().items()}
+
+
+def random_prompt(rng: random.Random, num_tokens: int) -> list[int]:
+    return [rng.randrange(256, 50000) for _ in range(num_tokens)]
+
+
+def complete(client: httpx.Client, prompt: list[int], max_tokens: int = 2) -> None:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    response = client.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+
+
+def test_each_prefix_goes_to_its_first_choice_and_hits_its_cache(server):
+    base_url, _ = server
+    rng = random.Random(0)
+    replica_ids = list(engine_replicas())
+    with httpx.Client(base_url=base_url, timeout=60) as client:
+        for _ in range(6):
+            prefix = random_prompt(rng, 5 * BLOCK)
+            first_choice = rendezvous_order(prefix_key(prefix, BLOCK, KEY_BLOCKS), replica_ids)[0]
+            before = served()
+            for _ in range(3):
+                complete(client, prefix + random_prompt(rng, 8))
+            assert new_requests(before) == {r: 3 if r == first_choice else 0 for r in replica_ids}
+    stats = [ray.get(actor.record_routing_stats.remote()) for actor in engine_replicas().values()]
+    # The 2nd and 3rd request of each prefix found its 5 blocks cached.
+    assert sum(s["num_prefix_hit_tokens"] for s in stats) >= 6 * 2 * 5 * BLOCK
+
+
+def test_a_burst_on_one_prefix_spills_to_its_second_choice_within_the_bound(server):
+    base_url, metrics_url = server
+    rng = random.Random(1)
+    prefix = random_prompt(rng, 5 * BLOCK)
+    order = rendezvous_order(prefix_key(prefix, BLOCK, KEY_BLOCKS), list(engine_replicas()))
+    before = served()
+    with httpx.Client(base_url=base_url, timeout=120) as client, ThreadPoolExecutor(24) as pool:
+        list(pool.map(lambda _: complete(client, prefix + random_prompt(rng, 8), max_tokens=48), range(24)))
+    counts = new_requests(before)
+    assert sum(counts.values()) == 24
+    assert counts[order[1]] >= 1, counts  # the load bound sent some to the second choice
+    assert counts[order[0]] >= counts[order[1]], counts  # and affinity kept the most at home
+    at_least = lambda n: lambda v: v >= n  # noqa: E731
+    scrape_until(metrics_url, {
+        ("ray_rayinfer_router_routed_requests_total", ("decision", "spill")): at_least(1),
+        ("ray_rayinfer_router_routed_requests_total", ("decision", "affinity")): at_least(18 + counts[order[0]] // 2),
+        ("ray_rayinfer_router_engine_replicas",): lambda v: v == 2,
+        ("ray_rayinfer_engine_replica_prefix_cache_hit_rate", ("engine_replica", order[0])): lambda v: v > 0,
+    })
+
+
+def test_replicas_added_and_removed_mid_run_take_over_keys_without_a_failed_request(server, tiny_gpt2_dir):
+    """Traffic runs through each change; between changes it pauses so that the check sees
+    only its own requests."""
+    base_url, _ = server
+    rng = random.Random(2)
+    prefixes = [random_prompt(rng, 5 * BLOCK) for _ in range(8)]
+    traffic = Traffic(base_url, prefixes)
+    for num_replicas in (3, 2):  # one added, then one removed
+        with traffic.running():
+            redeploy(tiny_gpt2_dir, num_replicas)
+            replica_ids = wait_for_replicas(num_replicas)
+        check_keys_on_first_choice(base_url, prefixes, replica_ids)
+    assert traffic.num_ok > 0 and traffic.failures == []
+
+
+class Traffic:
+    """A client sending requests on the given prefixes, one after another, while running."""
+
+    def __init__(self, base_url: str, prefixes: list[list[int]]) -> None:
+        self.base_url, self.prefixes = base_url, prefixes
+        self.num_ok, self.failures = 0, []
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[None]:
+        stop = threading.Event()
+        thread = threading.Thread(target=self._send_until, args=(stop,))
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join()
+
+    def _send_until(self, stop: threading.Event) -> None:
+        rng = random.Random(3)
+        with httpx.Client(base_url=self.base_url, timeout=60) as client:
+            while not stop.is_set():
+                body = {"model": "tiny", "prompt": rng.choice(self.prefixes) + [300], "max_tokens": 2}
+                response = client.post("/v1/completions", json=body)
+                if response.status_code == 200:
+                    self.num_ok += 1
+                else:
+                    self.failures.append(f"{response.status_code} {response.text}")
+
+
+def redeploy(tiny_gpt2_dir: Path, num_replicas: int) -> None:
+    serve.run(make_app(app_args(tiny_gpt2_dir), engine_options(num_replicas)), name=APP, route_prefix="/")
+
+
+def wait_for_replicas(num_replicas: int, timeout_s: float = 60) -> list[str]:
+    """The engine replicas once exactly num_replicas answer (stopping ones drain first)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            replica_ids = list(served())
+        except ray.exceptions.RayActorError:  # one stopped between listing and asking
+            replica_ids = []
+        if len(replica_ids) == num_replicas:
+            return replica_ids
+        assert time.monotonic() < deadline, f"{replica_ids} after {timeout_s}s"
+        time.sleep(0.5)
+
+
+def check_keys_on_first_choice(base_url: str, prefixes: list[list[int]], replica_ids: list[str]) -> None:
+    with httpx.Client(base_url=base_url, timeout=60) as client:
+        for prefix in prefixes:
+            first_choice = rendezvous_order(prefix_key(prefix, BLOCK, KEY_BLOCKS), replica_ids)[0]
+            before = served()
+            complete(client, prefix + [301, 302])
+            assert new_requests(before) == {r: 1 if r == first_choice else 0 for r in replica_ids}
