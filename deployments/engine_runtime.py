@@ -1,0 +1,58 @@
+"""The engine replica's process environment: an allocator and OpenMP runtime preloaded, and
+OpenMP settings, through its Ray `runtime_env` (a config file's `engine_preload` and
+`engine_env` args). Ray starts the replica's worker process with these variables, so
+`LD_PRELOAD` takes effect before torch loads.
+
+Libraries are optional: a name that resolves to no file on this machine is skipped with a
+warning, so one config file runs where tcmalloc or Intel OpenMP is installed and where it
+isn't. Names:
+  tcmalloc   gperftools' tcmalloc_minimal (Debian/Ubuntu: libtcmalloc-minimal4)
+  iomp5      Intel OpenMP (`pip install intel-openmp` puts it in <prefix>/lib); it takes
+             over torch's GNU OpenMP calls, and reads KMP_* settings (e.g. KMP_AFFINITY)
+  a path     any other shared library
+"""
+
+from __future__ import annotations
+
+import ctypes.util
+import logging
+import sys
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+_LIB_DIRS = (Path(sys.prefix) / "lib", Path("/usr/lib/x86_64-linux-gnu"), Path("/usr/lib64"), Path("/usr/lib"))
+_KNOWN = {"tcmalloc": ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4"), "iomp5": ("libiomp5.so",)}
+
+
+def resolve_library(name: str) -> Path | None:
+    """The file a preload name stands for, or None where this machine has none."""
+    if "/" in name:
+        return Path(name) if Path(name).is_file() else None
+    for file_name in _KNOWN.get(name, (f"lib{name}.so",)):
+        for directory in _LIB_DIRS:
+            if (directory / file_name).is_file():
+                return directory / file_name
+    found = ctypes.util.find_library(name.removeprefix("lib"))
+    return Path(found) if found and Path(found).is_absolute() else None
+
+
+def engine_env_vars(preload: list[str], env: dict[str, str]) -> dict[str, str]:
+    """`env`, plus LD_PRELOAD of every library in `preload` that this machine has."""
+    found = []
+    for name in preload:
+        path = resolve_library(name)
+        if path is None:
+            logger.warning("engine_preload: %r not found on this machine; the engine runs without it", name)
+        else:
+            found.append(str(path))
+    variables = dict(env)
+    if found:
+        variables["LD_PRELOAD"] = ":".join([*found, *filter(None, [env.get("LD_PRELOAD")])])
+    return variables
+
+
+def engine_runtime_env(preload: list[str], env: dict[str, str]) -> dict:
+    """The engine replica's runtime_env (empty where there is nothing to set)."""
+    variables = engine_env_vars(preload, env)
+    return {"env_vars": variables} if variables else {}

@@ -1,0 +1,247 @@
+"""rayinfer against vLLM's CPU server in one run, same client, same dtype, same checkpoint:
+offline throughput, HTTP at `--streams` concurrent streams (throughput, TTFT p50), HTTP one
+stream at a time (TPOT p50, TTFT p50), the HTTP share of each server's own offline figure,
+and the CPU time each process took during every HTTP run (loadtest/cpu_usage.py).
+
+    python -m loadtest.make_checkpoint /tmp/gpt2-random --arch gpt2
+    python -m loadtest.peer_table --checkpoint /tmp/gpt2-random --out bench_out/peers
+
+It runs the offline engine in this process, starts `serve run` on a copy of `--config`
+whose model is the checkpoint, measures it and stops it; then starts vLLM's server from its
+venv (loadtest/vllm_peer.py), measures it, stops it, and runs vLLM's offline
+`LLM.generate`. One server is up at a time, and each step waits for an idle machine.
+Without vLLM installed, only rayinfer's rows are filled. `--app-args` and `--engine-env`
+change the rayinfer app's config, to measure one design against another.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import yaml
+
+from loadtest.bench import BenchConfig, BenchResult, Target, Workload, run_benchmark
+from loadtest.cpu_usage import ProcessCpu, cpu_since, cpu_snapshot, cpu_table, settle
+from loadtest.vllm_peer import VllmServer, VllmServerConfig, is_healthy, find_vllm, run_vllm_offline_target
+
+RAYINFER_URL = "http://127.0.0.1:8000"
+
+
+@dataclass(frozen=True)
+class TableWorkload:
+    streams: int = 32
+    prompt_tokens: int = 16
+    max_tokens: int = 64
+    num_single: int = 16  # requests sent one at a time
+    warmup: int = 2
+
+    def concurrent(self) -> Workload:
+        return Workload(num_requests=2 * self.streams, prompt_tokens=self.prompt_tokens, max_tokens=self.max_tokens,
+                        concurrency=self.streams, warmup=self.warmup)
+
+    def single(self) -> Workload:
+        return replace(self.concurrent(), num_requests=self.num_single, concurrency=1)
+
+    def offline(self) -> Workload:
+        """Every prompt submitted at once, as LLM.generate does."""
+        return replace(self.concurrent(), num_requests=self.streams)
+
+
+@dataclass
+class ServerRows:
+    offline: BenchResult | None = None
+    concurrent: BenchResult | None = None
+    single: BenchResult | None = None
+
+    @property
+    def http_share(self) -> float | None:
+        if self.offline is None or self.concurrent is None or not self.offline.output_throughput:
+            return None
+        return self.concurrent.output_throughput / self.offline.output_throughput
+
+
+@dataclass
+class TableRun:
+    workload: TableWorkload
+    rayinfer: ServerRows
+    vllm: ServerRows
+    cpu: dict[str, tuple[float, list[ProcessCpu]]]
+
+
+def measure_http(label: str, target: Target, workload: TableWorkload, cpu: dict) -> ServerRows:
+    rows = ServerRows()
+    rows.concurrent = _with_cpu(f"{label} HTTP {workload.streams} streams", cpu,
+                                lambda: run_benchmark(BenchConfig(target, workload.concurrent(), False)))
+    rows.single = _with_cpu(f"{label} HTTP 1 stream", cpu,
+                            lambda: run_benchmark(BenchConfig(target, workload.single(), False)))
+    return rows
+
+
+def _with_cpu(label: str, cpu: dict, run: Callable[[], BenchResult]) -> BenchResult:
+    before, started = cpu_snapshot(), time.perf_counter()
+    result = run()
+    cpu[label] = (time.perf_counter() - started, cpu_since(before))
+    return result
+
+
+# ---- rayinfer ----
+
+
+def serve_config(base: Path, checkpoint: Path, dtype: str, app_args: dict, engine_env: dict[str, str]) -> dict:
+    """`base` with its first application serving `checkpoint`'s weights in `dtype`, and
+    `engine_env` in the engine replica's runtime_env."""
+    config = yaml.safe_load(base.read_text(encoding="utf-8"))
+    app = config["applications"][0]
+    args = app["args"]
+    args.update(model=str(checkpoint.resolve()), weights="pretrained", dtype=dtype)
+    for key, value in app_args.items():  # one level deep: {"engine": {...}} keeps the file's other engine keys
+        args[key] = args.get(key, {}) | value if isinstance(value, dict) else value
+    if engine_env:
+        engine = next(d for d in app["deployments"] if d["name"] == "EngineDeployment")
+        options = engine.setdefault("ray_actor_options", {"num_cpus": app["args"].get("engine_num_cpus", 0.5)})
+        options.setdefault("runtime_env", {}).setdefault("env_vars", {}).update(engine_env)
+    return config
+
+
+@contextlib.contextmanager
+def serve_run(config: dict, timeout_s: float = 300.0) -> Iterator[int]:
+    """`serve run` on `config` in its own session; yields its pid once /health answers 200."""
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as file:
+        yaml.safe_dump(config, file)
+    log = open(Path(file.name).with_suffix(".log"), "wb")  # noqa: SIM115 - closed below
+    process = subprocess.Popen(["serve", "run", file.name], stdout=log, stderr=subprocess.STDOUT,
+                               start_new_session=True)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not is_healthy(RAYINFER_URL):
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"serve run did not become healthy; see {log.name}")
+            time.sleep(1.0)
+        yield process.pid
+    finally:
+        _stop(process)
+        log.close()
+        os.unlink(file.name)
+
+
+def _stop(process: subprocess.Popen, timeout_s: float = 60.0) -> None:
+    """Ctrl-C, as a user stops `serve run` (it shuts the app and its Ray down); then its group."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGINT)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(timeout_s)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+
+
+def run_rayinfer(args: argparse.Namespace, workload: TableWorkload, cpu: dict) -> ServerRows:
+    from loadtest.offline import OfflineTarget, run_offline
+
+    target = OfflineTarget(str(args.checkpoint.resolve()), weights="pretrained", dtype=args.dtype,
+                           label="rayinfer offline")
+    offline = None if args.skip_offline else run_offline(target, workload.offline())
+    config = serve_config(args.config, args.checkpoint, args.dtype, json.loads(args.app_args),
+                          json.loads(args.engine_env))
+    with serve_run(config):
+        rows = measure_http("rayinfer", Target(RAYINFER_URL, "rayinfer", ignore_eos=True), workload, cpu)
+    settle()
+    return replace(rows, offline=offline)
+
+
+# ---- vLLM ----
+
+
+def run_vllm(args: argparse.Namespace, workload: TableWorkload, cpu: dict) -> ServerRows:
+    setup = find_vllm(args.vllm_venv)
+    if setup is None:
+        print("vLLM's CPU build is not installed: its rows stay empty", file=sys.stderr)
+        return ServerRows()
+    config = VllmServerConfig(args.checkpoint.resolve(), dtype=args.dtype, port=args.vllm_port)
+    with VllmServer(config, setup):
+        rows = measure_http("vLLM", Target(config.url, "vLLM CPU", config.served_model_name, ignore_eos=True),
+                            workload, cpu)
+    settle()
+    if not args.skip_offline:
+        rows.offline = run_vllm_offline_target(args.checkpoint, workload.offline(), args.dtype, args.vllm_venv)
+    return rows
+
+
+# ---- report ----
+
+
+def table(run: TableRun) -> str:
+    ours, theirs, w = run.rayinfer, run.vllm, run.workload
+    lines = ["| | rayinfer | vLLM CPU | rayinfer / vLLM |", "|---|---|---|---|"]
+    lines.append(_line(f"offline, {w.streams} prompts (tok/s)", ours.offline, theirs.offline,
+                       lambda r: r.output_throughput, "{:.1f}"))
+    lines.append(_line(f"HTTP, {w.streams} concurrent streams (tok/s)", ours.concurrent, theirs.concurrent,
+                       lambda r: r.output_throughput, "{:.1f}"))
+    lines.append(_line(f"HTTP, {w.streams} streams: TTFT p50 (ms)", ours.concurrent, theirs.concurrent,
+                       lambda r: r.ttft_ms.p50, "{:.1f}"))
+    share = lambda rows: "-" if rows.http_share is None else f"{rows.http_share:.0%}"  # noqa: E731
+    lines.append(f"| HTTP share of its own offline | {share(ours)} | {share(theirs)} | |")
+    lines.append(_line("HTTP, one stream at a time: TPOT p50 (ms)", ours.single, theirs.single,
+                       lambda r: r.tpot_ms.p50, "{:.2f}"))
+    lines.append(_line("HTTP, one stream at a time: TTFT p50 (ms)", ours.single, theirs.single,
+                       lambda r: r.ttft_ms.p50, "{:.1f}"))
+    return "\n".join(lines) + "\n\nCPU time per process during each HTTP run:\n\n" + cpu_table(run.cpu)
+
+
+def _line(name: str, ours: BenchResult | None, theirs: BenchResult | None,
+          value: Callable[[BenchResult], float | None], fmt: str) -> str:
+    a = value(ours) if ours is not None else None
+    b = value(theirs) if theirs is not None else None
+    ratio = f"{a / b:.2f}×" if a is not None and b else "-"
+    show = lambda v: "-" if v is None else fmt.format(v)  # noqa: E731
+    return f"| {name} | {show(a)} | {show(b)} | {ratio} |"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint", type=Path, required=True, help="a model directory both servers load")
+    parser.add_argument("--config", type=Path, default=Path("configs/gpt2.yaml"), help="rayinfer's Serve config")
+    parser.add_argument("--app-args", default="{}", help="JSON merged into the app's args, e.g. a design to try")
+    parser.add_argument("--engine-env", default="{}",
+                        help="JSON env vars for the engine replica's runtime_env, e.g. an LD_PRELOAD to try")
+    parser.add_argument("--skip-offline", action="store_true", help="HTTP rows only (quicker design trials)")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--streams", type=int, default=32)
+    parser.add_argument("--prompt-tokens", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--vllm-venv", type=Path, default=None)
+    parser.add_argument("--vllm-port", type=int, default=8100)
+    parser.add_argument("--skip-vllm", action="store_true", help="rayinfer's rows only")
+    parser.add_argument("--out", type=Path, default=None, help="directory for peers.json and peers.md")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    workload = TableWorkload(args.streams, args.prompt_tokens, args.max_tokens)
+    cpu: dict[str, tuple[float, list[ProcessCpu]]] = {}
+    rayinfer = run_rayinfer(args, workload, cpu)
+    vllm = ServerRows() if args.skip_vllm else run_vllm(args, workload, cpu)
+    run = TableRun(workload, rayinfer, vllm, cpu)
+    report = table(run)
+    print(report)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "peers.md").write_text(report + "\n", encoding="utf-8")
+        (args.out / "peers.json").write_text(json.dumps(asdict(run), indent=2, default=str) + "\n", encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+# The engine replica's process environment from a config file's args: preloaded libraries
+# where this machine has them (skipped with a warning where not) and extra variables, in
+# the replica Ray starts (a real Serve instance, the tiny checkpoint).
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from deployments.app import AppArgs, build_app, engine_actor_options
+from deployments.engine_runtime import engine_env_vars, resolve_library
+from tests.serve_helpers import running_app
+
+ENGINE_ARGS = {"num_kv_blocks": 48, "max_num_seqs": 8, "max_num_batched_tokens": 128}
+
+
+def test_a_library_path_resolves_to_itself_and_a_missing_one_to_none(tmp_path: Path) -> None:
+    library = tmp_path / "libfake.so"
+    library.write_bytes(b"")
+    assert resolve_library(str(library)) == library
+    assert resolve_library(str(tmp_path / "libabsent.so")) is None
+    assert resolve_library("no-such-library-anywhere") is None
+
+
+def test_missing_libraries_are_skipped_with_a_warning_and_the_rest_preloaded(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    library = tmp_path / "libfake.so"
+    library.write_bytes(b"")
+    with caplog.at_level(logging.WARNING, logger="deployments.engine_runtime"):
+        env = engine_env_vars(["no-such-library-anywhere", str(library)], {"KMP_BLOCKTIME": "1", "LD_PRELOAD": "/x.so"})
+    assert env == {"KMP_BLOCKTIME": "1", "LD_PRELOAD": f"{library}:/x.so"}
+    assert "'no-such-library-anywhere' not found" in caplog.text
+
+
+def test_without_preload_or_env_the_engine_gets_no_runtime_env() -> None:
+    assert engine_actor_options(AppArgs(), 0) == {"num_cpus": 0.5, "num_gpus": 0}
+    options = engine_actor_options(AppArgs(engine_env={"KMP_AFFINITY": "disabled"}), 0)
+    assert options["runtime_env"] == {"env_vars": {"KMP_AFFINITY": "disabled"}}
+
+
+def test_a_config_key_that_is_not_a_string_map_is_refused() -> None:
+    with pytest.raises(ValueError, match="engine_env"):
+        AppArgs.model_validate({"engine_env": ["KMP_AFFINITY=disabled"]})
+
+
+@pytest.fixture(scope="module")
+def preloaded_app(tiny_gpt2_dir: Path) -> Iterator[str]:
+    app = build_app({"model": str(tiny_gpt2_dir), "dtype": "float32", "engine": ENGINE_ARGS,
+                     "tokenizer_num_replicas": 1, "engine_preload": ["tcmalloc", "no-such-library-anywhere"],
+                     "engine_env": {"RAYINFER_TEST_MARK": "engine-env"}})
+    with running_app(app) as url:
+        yield url
+
+
+@pytest.mark.serve
+def test_the_engine_replica_runs_with_the_configured_environment_and_serves(preloaded_app: str) -> None:
+    replica = _engine_replica()
+    assert replica.environ().get("RAYINFER_TEST_MARK") == "engine-env"
+    tcmalloc = resolve_library("tcmalloc")
+    if tcmalloc is not None:  # present on this machine: loaded before anything else
+        assert tcmalloc.resolve() in {Path(m.path) for m in replica.memory_maps()}  # maps show the real file
+        assert replica.environ()["LD_PRELOAD"] == str(tcmalloc)
+    else:
+        assert "LD_PRELOAD" not in replica.environ()
+    body = {"prompt": "Hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    response = httpx.post(f"{preloaded_app}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 200
+    assert response.json()["usage"]["completion_tokens"] == 4
+
+
+def _engine_replica() -> psutil.Process:
+    replicas = [p for p in psutil.process_iter(["cmdline"])
+                if p.info["cmdline"] and "ServeReplica:rayinfer:EngineDeployment" in p.info["cmdline"][0]]
+    assert len(replicas) == 1, replicas
+    return replicas[0]

