@@ -14,6 +14,7 @@ pads every decode up to its length.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +36,7 @@ class AttentionMetadata:
     num_decodes: int
     decode: AttentionGroup | None
     prefill: AttentionGroup | None
+    fused_decode: bool = False  # decodes attend through the compiled kernel (compile_attention)
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> None:
@@ -56,14 +58,44 @@ def paged_attention(
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     num_decodes = meta.num_decodes
     if meta.prefill is None:
-        return _attend(q.unsqueeze(1), k_cache, v_cache, meta.decode).squeeze(1)
+        return _attend_decodes(q, k_cache, v_cache, meta)
     out = torch.empty_like(q)
     if meta.decode is not None:
-        out[:num_decodes] = _attend(q[:num_decodes].unsqueeze(1), k_cache, v_cache, meta.decode).squeeze(1)
+        out[:num_decodes] = _attend_decodes(q[:num_decodes], k_cache, v_cache, meta)
     group = meta.prefill
     padded = _attend(q[group.query_index], k_cache, v_cache, group)
     out[group.query_index[group.query_valid]] = padded[group.query_valid]
     return out
+
+
+def _attend_decodes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    """q: [B, H, D], one query per sequence -> [B, H, D]."""
+    group = meta.decode
+    if meta.fused_decode:
+        return compiled_decode_attention()(q, k_cache, v_cache, group.block_tables, group.mask[:, 0])
+    return _attend(q.unsqueeze(1), k_cache, v_cache, group).squeeze(1)
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                     mask: torch.Tensor) -> torch.Tensor:
+    """q: [B, H, D], mask: [B, max_blocks * block_size] -> [B, H, D].
+
+    Written as products and sums rather than matmuls so that inductor fuses the block-table
+    lookup into both reductions: compiled, it reads the pools in place and never
+    materialises the gathered blocks that _attend copies for every layer.
+    """
+    keys = k_cache[:, block_tables].flatten(2, 3)  # [H, B, L, D]
+    values = v_cache[:, block_tables].flatten(2, 3)
+    queries = q.transpose(0, 1).float().unsqueeze(2)  # [H, B, 1, D]
+    scores = (queries * keys.float()).sum(-1) * q.shape[-1] ** -0.5  # [H, B, L]
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+    return (probs.unsqueeze(-1) * values.float()).sum(2).to(q.dtype).transpose(0, 1)
+
+
+@functools.cache
+def compiled_decode_attention():
+    """Compiled at the first call (tens of seconds), then reused for every shape (dynamic)."""
+    return torch.compile(decode_attention, dynamic=True)
 
 
 def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: AttentionGroup) -> torch.Tensor:

@@ -34,6 +34,10 @@ class EngineConfig:
     # says oneDNN runs this dtype (engine/packed_linear.py); reference: F.linear everywhere,
     # the path that is token-exact with Hugging Face in fp32.
     linears: LinearsMode = "auto"
+    # Decode attention through a torch.compile'd kernel that reads the paged pools in place
+    # (engine/attention.py decode_attention). Off by default: the first step compiles for
+    # tens of seconds in every process that runs an engine.
+    compile_attention: bool = False
     seed: int = 0
     block_size: int = 16
     # KV pool size: a block count wins over a memory budget; neither means "fit max_num_seqs

@@ -47,7 +47,7 @@ class LLMEngine:
         num_blocks = self._num_kv_blocks(model)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(model, num_blocks, config.block_size, config.seed)
+        self.runner = ModelRunner(model, num_blocks, config.block_size, config.seed, config.compile_attention)
         self._seqs: dict[str, Sequence] = {}
         self._num_prompt_tokens = 0
         self._num_generated_tokens = 0

@@ -32,9 +32,10 @@ def _samples(seq: Sequence, num_new: int) -> bool:
 
 
 class ModelRunner:
-    def __init__(self, model: GPT2LMHead, num_blocks: int, block_size: int, seed: int):
+    def __init__(self, model: GPT2LMHead, num_blocks: int, block_size: int, seed: int, fused_decode: bool = False):
         self.model = model
         self.block_size = block_size
+        self.fused_decode = fused_decode
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         config = model.config
@@ -102,6 +103,7 @@ class ModelRunner:
             num_decodes=num_decodes,
             decode=self._decode_group(seqs[:num_decodes]) if num_decodes else None,
             prefill=self._prefill_group(seqs[num_decodes:], num_new[num_decodes:], num_decodes) if num_decodes < len(seqs) else None,
+            fused_decode=self.fused_decode,
         )
         return self._tensor(input_ids), self._tensor(positions), self.kv_caches, meta
 

@@ -1,0 +1,155 @@
+"""The engine against its ceiling: offline engine, Hugging Face static-batch `generate` and
+the model's matmuls alone at the same batch, side by side in one run; then one decode step
+of the whole batch against that step's matmuls alone.
+
+    python -m loadtest.ceiling --dtype float32 --num-requests 32 --prompt-len 16 --max-tokens 64
+
+"Matmuls alone" runs the engine's own linear modules (prepacked or F.linear, as the engine
+built them) on inputs of the step's row counts: one prefill of every prompt, then
+max_tokens - 1 decode steps of num_requests rows. It is the time no scheduling, attention,
+layer norm or sampling could go below.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers import GPT2LMHeadModel
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine, build_model
+from engine.loader import resolve_model
+from engine.models.gpt2 import CONV1D_WEIGHTS, GPT2LMHead, hf_to_own_name
+from engine.sampling_params import SamplingParams
+
+
+@dataclass
+class Row:
+    name: str
+    num_tokens: int
+    seconds: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.num_tokens / self.seconds
+
+
+def make_prompts(num: int, length: int, vocab_size: int) -> list[list[int]]:
+    return torch.randint(0, vocab_size, (num, length), generator=torch.Generator().manual_seed(0)).tolist()
+
+
+def run_engine(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, name: str) -> Row:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    start = time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"{name}-{time.monotonic_ns()}-{i}", prompt, params)
+    num_tokens = 0
+    while engine.has_unfinished_requests():
+        num_tokens += sum(out.token_id is not None for out in engine.step())
+    return Row(name, num_tokens, time.perf_counter() - start)
+
+
+def decode_step_ms(engine: LLMEngine, prompts: list[list[int]], num_steps: int) -> float:
+    """Median time of a step that decodes every prompt at once (after their prefill)."""
+    params = SamplingParams(max_tokens=num_steps + 2, temperature=0, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"step-{time.monotonic_ns()}-{i}", prompt, params)
+    engine.step()  # every prefill
+    times = []
+    for _ in range(num_steps):
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return statistics.median(times) * 1000
+
+
+def linears_ms(model: GPT2LMHead, rows: int, lm_rows: int | None = None, repeats: int = 5) -> float:
+    """One forward's linears (every block's four on `rows` rows, the LM head on `lm_rows`,
+    default `rows`), median ms."""
+    dtype = model.wte.weight.dtype
+    lm_head = model.lm_head or (lambda x: torch.nn.functional.linear(x, model.wte.weight))
+    layers = [m for block in model.h for m in (block.attn_qkv, block.attn_out, block.mlp_fc, block.mlp_proj)]
+    inputs = {n: torch.randn(rows, n, dtype=dtype) for n in {m.in_features for m in layers}}
+    lm_input = torch.randn(lm_rows or rows, model.config.n_embd, dtype=dtype)
+    times = []
+    with torch.inference_mode():
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            for layer in layers:
+                layer(inputs[layer.in_features])
+            lm_head(lm_input)
+            times.append(time.perf_counter() - start)
+    return statistics.median(times[1:]) * 1000
+
+
+def matmuls_alone(model: GPT2LMHead, num: int, prompt_len: int, max_tokens: int) -> Row:
+    # Prefill samples one row per prompt through the LM head; the block linears see every token.
+    seconds = (linears_ms(model, num * prompt_len, num) + (max_tokens - 1) * linears_ms(model, num)) / 1000
+    return Row("matmuls alone (ceiling)", num * max_tokens, seconds)
+
+
+def hf_static(config: EngineConfig, prompts: list[list[int]], max_tokens: int) -> Row:
+    source = resolve_model(config.model, "random")
+    ours = build_model(source, torch.float32, torch.device("cpu"), config.seed, "reference").state_dict()
+    model = GPT2LMHeadModel(source.config).eval()
+    for name, param in model.transformer.state_dict().items():
+        own = hf_to_own_name(name)
+        if own is not None:
+            param.copy_(ours[own].t() if name.endswith(CONV1D_WEIGHTS) else ours[own])
+    model = model.to(config.torch_dtype)
+    ids = torch.tensor(prompts)
+    with torch.inference_mode():
+        kwargs = dict(do_sample=False, pad_token_id=0)
+        model.generate(ids[:4], attention_mask=torch.ones_like(ids[:4]), max_new_tokens=4, **kwargs)  # warm-up
+        start = time.perf_counter()
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                             min_new_tokens=max_tokens, **kwargs)
+    return Row("HF generate (static batch)", (out.shape[1] - ids.shape[1]) * out.shape[0], time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="gpt2")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--num-requests", type=int, default=32)
+    parser.add_argument("--prompt-len", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--linears", nargs="+", default=["auto", "reference"], help="engine variants to run")
+    parser.add_argument("--compile-attention", action="store_true", help="also run linears=auto with compiled decode attention")
+    args = parser.parse_args()
+    rows, steps = [], []
+    variants = [(linears, False) for linears in args.linears] + [("auto", True)] * args.compile_attention
+    for linears, compiled in variants:
+        config = EngineConfig(model=args.model, weights="random", dtype=args.dtype, device="cpu", linears=linears,
+                              compile_attention=compiled)
+        engine = LLMEngine(config)
+        prompts = make_prompts(args.num_requests, args.prompt_len, engine.model_info.vocab_size)
+        run_engine(engine, prompts[:4], 4, "warm-up")
+        if compiled:  # compile for the batch's shapes outside the timed run
+            run_engine(engine, prompts, 3, "warm-up")
+            linears += ", compiled attention"
+        rows.append(run_engine(engine, prompts, args.max_tokens, f"engine, linears={linears}"))
+        model = engine.runner.model
+        rows.append(matmuls_alone(model, args.num_requests, args.prompt_len, args.max_tokens))
+        rows[-1].name += f", linears={linears}"
+        steps.append((linears, decode_step_ms(engine, prompts, 16), linears_ms(model, args.num_requests, repeats=9)))
+    rows.append(hf_static(config, prompts, args.max_tokens))
+    print(f"model={args.model} dtype={config.torch_dtype} threads={torch.get_num_threads()} "
+          f"requests={args.num_requests} prompt_len={args.prompt_len} max_tokens={args.max_tokens}")
+    hf = rows[-1].tokens_per_s
+    for r in rows:
+        print(f"{r.name:44s} {r.num_tokens:6d} tokens in {r.seconds:6.2f} s = {r.tokens_per_s:7.1f} tok/s "
+              f"({r.tokens_per_s / hf:.2f}x HF)")
+    for linears, step, mm in steps:
+        print(f"decode step of {args.num_requests}, linears={linears}: {step:.1f} ms; its matmuls alone "
+              f"{mm:.1f} ms; ratio {step / mm:.2f}")
+
+
+if __name__ == "__main__":
+    main()
