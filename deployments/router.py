@@ -12,7 +12,8 @@ to each other because the choice is a pure function of the prompt's block hashes
 replicas' loads (deployments/prefix_routing.py). Routing never waits on anything: the load
 comes from what this process already holds: Serve's queue-length cache (every replica
 reports its ongoing requests with each response), this router's own requests in flight,
-and the replicas' routing stats (polled by Serve every request_routing_stats_period_s).
+and, where the cache has nothing fresh, the replicas' routing stats (polled by Serve every
+request_routing_stats_period_s).
 """
 
 from __future__ import annotations
@@ -92,11 +93,17 @@ class PrefixAffinityRouter(RequestRouter):
             in_flight[replica_id] = in_flight.get(replica_id, 0) + 1
         loads = {}
         for replica in replicas:
-            stats = replica.routing_stats or {}
-            queue_len = self.replica_queue_len_cache.get(replica.replica_id)
-            loads[replica.replica_id.unique_id] = max(queue_len or 0, stats.get("num_active", 0),
-                                                      in_flight.get(replica.replica_id, 0))
+            loads[replica.replica_id.unique_id] = self._load(replica, in_flight.get(replica.replica_id, 0))
         return loads
+
+    def _load(self, replica: RunningReplica, num_in_flight: int) -> int:
+        """Freshest first: Serve's cache holds the count the replica sent with its last
+        response, plus this router's sends and completions since. The replica's own report
+        is up to a stats period old, so it only stands in when the cache has nothing."""
+        queue_len = self.replica_queue_len_cache.get(replica.replica_id)
+        if queue_len is not None:
+            return max(queue_len, num_in_flight)
+        return max((replica.routing_stats or {}).get("num_active", 0), num_in_flight)
 
 
 def _prompt_token_ids(pending_request: PendingRequest | None) -> list[int] | None:
