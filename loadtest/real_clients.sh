@@ -44,7 +44,8 @@ settle; after=$(completion_tokens)
 echo "guidellm: server completion tokens $((after - before))"
 
 before=$after
-HF_HUB_OFFLINE=1 "$VENVS/aiperf/bin/aiperf" profile -m tiny -u http://127.0.0.1:$PORT \
+# No HF_HUB_OFFLINE here: aiperf 0.13 offline resolves even a local path as a hub snapshot.
+"$VENVS/aiperf/bin/aiperf" profile -m tiny -u http://127.0.0.1:$PORT \
   --endpoint-type completions --tokenizer "$CKPT" --request-count 8 --concurrency 2 \
   --isl 32 --osl 16 --artifact-dir "$OUT/aiperf" > "$OUT/aiperf.log" 2>&1
 settle; after=$(completion_tokens)
