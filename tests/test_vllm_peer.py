@@ -13,7 +13,8 @@ import pytest
 import yaml
 
 from loadtest import bench
-from loadtest.bench import BenchConfig, Workload, run_benchmark
+from loadtest.http_target import BenchConfig, run_benchmark
+from loadtest.workload import Workload
 from loadtest.cpu_usage import cpu_since, cpu_snapshot
 from loadtest.peer_table import serve_config
 from loadtest.vllm_peer import (
