@@ -91,13 +91,26 @@ def as_api_error(exc: BaseException) -> ApiError:
     return ApiError(500, "internal error", "server_error")
 
 
+_MESSAGES = {
+    "model_type": "the body must be a JSON object",
+    "extra_forbidden": "unknown field: the README's field table lists every field rayinfer takes",
+}
+
+
 def invalid_body(errors: Sequence[Any], skip: int = 0) -> ApiError:
     """400, never FastAPI's 422; `param` names the offending top-level field."""
     # Of a union's member errors, the deepest says most ("prompt.1: not an integer").
     error = max(errors, key=lambda e: len(e.get("loc", ())))
     loc = list(error.get("loc", ()))[skip:]
     param = loc[0] if loc and isinstance(loc[0], str) else None
-    # Keep list indices, drop pydantic's union-member tags ("str", "list[int]", ...).
-    where = ".".join(str(part) for i, part in enumerate(loc) if i == 0 or isinstance(part, int))
-    message = error["msg"] if error.get("type") != "model_type" else "the body must be a JSON object"
+    # Keep field names and list indices, drop pydantic's union-member tags ("str", "list[int]", ...).
+    where = ".".join(str(part) for i, part in enumerate(loc) if i == 0 or _is_path_part(part))
+    message = _MESSAGES.get(error.get("type"), error["msg"])
     return ApiError(400, f"{where}: {message}" if where else message, param=param)
+
+
+def _is_path_part(part: Any) -> bool:
+    return isinstance(part, int) or (str(part).isidentifier() and part not in _TYPE_TAGS)
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}

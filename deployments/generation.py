@@ -8,12 +8,13 @@ stream, and the engine aborts the request.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
 from ray.serve.handle import DeploymentHandle
 
 from deployments.metrics import request_metrics
+from deployments.openai_logprobs import Scored
 from engine import GenerationChunk, SamplingParams
 from engine.detokenizer import IncrementalDetokenizer, TokenVocab
 
@@ -24,6 +25,7 @@ class ChoiceDelta:
     text: str
     finish_reason: str | None
     num_tokens: int  # output tokens this delta accounts for
+    logprobs: dict | None = None  # in the response's wire shape, where the request asked for them
 
 
 @dataclass
@@ -61,32 +63,44 @@ class Generation:
 
     id: str
     model: str
-    num_prompt_tokens: int
-    n: int
+    choice_prompt_tokens: list[int]  # by choice index: the length of the prompt it continues
+    num_prompt_tokens: int  # of every prompt, each counted once
     deltas: AsyncIterator[ChoiceDelta]
     timing: ServerTiming
     created: int = field(default_factory=lambda: int(time.time()))
 
-    def usage(self, num_completion_tokens: int) -> dict[str, int]:
-        return {"prompt_tokens": self.num_prompt_tokens, "completion_tokens": num_completion_tokens,
-                "total_tokens": self.num_prompt_tokens + num_completion_tokens}
+    @property
+    def n(self) -> int:
+        return len(self.choice_prompt_tokens)
+
+    def usage(self, num_completion_tokens: int, num_prompt_tokens: int | None = None) -> dict[str, int]:
+        prompt = self.num_prompt_tokens if num_prompt_tokens is None else num_prompt_tokens
+        return {"prompt_tokens": prompt, "completion_tokens": num_completion_tokens,
+                "total_tokens": prompt + num_completion_tokens}
+
+
+LogprobsFormat = Callable[[Sequence[Scored]], dict]
 
 
 @dataclass(frozen=True)
 class Choice:
-    """One of a request's n choices: its own engine request."""
+    """One of a request's choices: its own engine request, and what its text carries."""
 
     index: int
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    echo: bool = False  # the prompt's text (and, with logprobs, its logprobs) leads the choice's
+    include_stop_str: bool = False
+    format_logprobs: LogprobsFormat | None = None  # set where the request asked for logprobs
 
 
 async def choice_deltas(engine: DeploymentHandle, vocab: TokenVocab, choice: Choice, timing: ServerTiming,
                         received_at: float) -> AsyncIterator[ChoiceDelta]:
     """The choice's text as it is generated; the engine request starts at the first anext."""
-    response = engine.options(stream=True).generate.remote(choice.request_id, choice.prompt_token_ids, choice.params)
-    detokenizer = IncrementalDetokenizer(vocab, choice.params.stop)
+    response = engine.options(stream=True).generate.remote(choice.request_id, choice.prompt_token_ids,
+                                                           choice.params)
+    text = ChoiceText(vocab, choice)
     is_engine_done, num_tokens, first_timings = False, 0, None
     try:
         async for chunk in response:
@@ -94,12 +108,10 @@ async def choice_deltas(engine: DeploymentHandle, vocab: TokenVocab, choice: Cho
             first_timings = first_timings or chunk.timings
             num_tokens += len(chunk.token_ids)
             is_engine_done = chunk.finish_reason is not None
-            delta = detokenizer.push(chunk.token_ids)
-            if delta.stopped:
-                yield ChoiceDelta(choice.index, delta.text, "stop", delta.num_tokens)
+            delta = text.push(chunk)
+            yield delta
+            if delta.finish_reason is not None:
                 return
-            text = delta.text + (detokenizer.finish() if is_engine_done else "")
-            yield ChoiceDelta(choice.index, text, chunk.finish_reason, delta.num_tokens)
     finally:
         if not is_engine_done:
             response.cancel()  # the engine's generator aborts the request
@@ -108,3 +120,43 @@ async def choice_deltas(engine: DeploymentHandle, vocab: TokenVocab, choice: Cho
                 ttft_s=timing.ttft_ms / 1000, e2e_s=time.perf_counter() - received_at,
                 queue_wait_s=first_timings.queue_wait_s if first_timings else None,
                 num_prompt_tokens=len(choice.prompt_token_ids), num_completion_tokens=num_tokens)
+
+
+class ChoiceText:
+    """Engine chunks -> one choice's deltas: incremental text with stop strings, the echoed
+    prompt leading the first, and the logprobs of the tokens each delta accounts for."""
+
+    def __init__(self, vocab: TokenVocab, choice: Choice) -> None:
+        self._vocab, self._choice = vocab, choice
+        self._detokenizer = IncrementalDetokenizer(vocab, choice.params.stop)
+        self._is_first = True
+
+    def push(self, chunk: GenerationChunk) -> ChoiceDelta:
+        choice = self._choice
+        lead, scored = _echo(self._vocab, choice, chunk) if self._is_first else ("", [])
+        self._is_first = False
+        delta = self._detokenizer.push(chunk.token_ids)
+        scored += _scored(chunk, delta.num_tokens)
+        logprobs = choice.format_logprobs(scored) if choice.format_logprobs else None
+        if delta.stopped:
+            stop = self._detokenizer.stop_str if choice.include_stop_str else ""
+            return ChoiceDelta(choice.index, lead + delta.text + stop, "stop", delta.num_tokens, logprobs)
+        tail = self._detokenizer.finish() if chunk.finish_reason is not None else ""
+        return ChoiceDelta(choice.index, lead + delta.text + tail, chunk.finish_reason, delta.num_tokens, logprobs)
+
+
+def _echo(vocab: TokenVocab, choice: Choice, chunk: GenerationChunk) -> tuple[str, list[Scored]]:
+    """The prompt's text and scored tokens, which lead an echoed choice's first delta."""
+    if not choice.echo:
+        return "", []
+    ids = choice.prompt_token_ids
+    text = b"".join(vocab.token_bytes[t] for t in ids).decode("utf-8", "replace")
+    scores = chunk.prompt_logprobs or (None,) * len(ids)
+    return text, [Scored(t, s) for t, s in zip(ids, scores)]
+
+
+def _scored(chunk: GenerationChunk, num_tokens: int) -> list[Scored]:
+    """The chunk's tokens that belong to the output (through a stop) with their logprobs."""
+    if chunk.logprobs is None:
+        return []
+    return [Scored(t, lp) for t, lp in zip(chunk.token_ids[:num_tokens], chunk.logprobs)]

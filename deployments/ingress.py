@@ -8,7 +8,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -18,7 +18,7 @@ from deployments.handles import over_grpc
 from deployments.http_body import DEFAULT_MAX_BODY_BYTES, documented_body
 from deployments.logs import route_logs_to_serve
 from deployments.metrics import RequestCounterMiddleware
-from deployments.protocol import ChatBody, CompletionBody, GenerateBody
+from deployments.protocol import ChatBody, CompletionBody, DetokenizeBody, GenerateBody, TokenizeBody
 from deployments.responses import CHAT, COMPLETIONS
 from deployments.security import ApiKeys
 from deployments.serving import Serving
@@ -82,6 +82,26 @@ class Ingress:
     @api.post("/generate", openapi_extra=documented_body(GenerateBody))
     async def generate(self, request: Request) -> Any:
         return await self._serving.generate(request)
+
+    @api.post("/tokenize", openapi_extra=documented_body(TokenizeBody))
+    async def tokenize(self, request: Request) -> dict:
+        return await self._serving.tokenize(request)
+
+    @api.post("/detokenize", openapi_extra=documented_body(DetokenizeBody))
+    async def detokenize(self, request: Request) -> dict:
+        return await self._serving.detokenize(request)
+
+    @api.get("/tokenizer_info")
+    async def tokenizer_info(self, request: Request) -> dict:
+        return await self._serving.tokenizer_info(request)
+
+    @api.get("/version")
+    async def version(self, request: Request) -> dict:
+        return self._serving.version(request)
+
+    @api.get("/metrics")
+    async def metrics(self, request: Request) -> PlainTextResponse:
+        return await self._serving.metrics(request)
 
     @api.get("/v1/models")
     async def models(self, request: Request) -> dict:

@@ -5,23 +5,43 @@ SSE framing of the streamed chunks is deployments/sse.py."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from deployments.errors import as_api_error
-from deployments.generation import ChoiceDelta, Generation
+from deployments.generation import ChoiceDelta, Generation, LogprobsFormat
+from deployments.openai_logprobs import CompletionLogprobs, chat_logprobs
+from engine.detokenizer import TokenVocab
 
 logger = logging.getLogger("ray.serve")
 
 
-def completion_choice(delta: ChoiceDelta, is_first: bool) -> dict:
-    return {"index": delta.index, "text": delta.text, "logprobs": None, "finish_reason": delta.finish_reason}
+def completion_chunk_choice(delta: ChoiceDelta, is_first: bool) -> dict:
+    return completion_choice(delta.index, delta.text, delta.finish_reason, delta.logprobs)
+
+
+def completion_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None) -> dict:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
 def chat_chunk_choice(delta: ChoiceDelta, is_first: bool) -> dict:
     message = {"role": "assistant", "content": delta.text} if is_first else {"content": delta.text}
-    return {"index": delta.index, "delta": message, "logprobs": None, "finish_reason": delta.finish_reason}
+    return {"index": delta.index, "delta": message, "logprobs": delta.logprobs, "finish_reason": delta.finish_reason}
+
+
+def chat_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None) -> dict:
+    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+            "finish_reason": finish_reason}
+
+
+def completion_logprobs(vocab: TokenVocab, num_top: int) -> LogprobsFormat:
+    return CompletionLogprobs(vocab, num_top).format  # one per choice: it counts text_offset
+
+
+def chat_logprobs_format(vocab: TokenVocab, num_top: int) -> LogprobsFormat:
+    return functools.partial(chat_logprobs, vocab, num_top)
 
 
 @dataclass(frozen=True)
@@ -30,35 +50,48 @@ class OpenAIFormat:
     chunk_object: str
     id_prefix: str
     chunk_choice: Callable[[ChoiceDelta, bool], dict]
-    choice: Callable[[int, str, str | None], dict]
+    choice: Callable[[int, str, str | None, dict | None], dict]
+    logprobs: Callable[[TokenVocab, int], LogprobsFormat]  # a choice's logprobs formatter
 
 
-COMPLETIONS = OpenAIFormat(
-    "text_completion", "text_completion", "cmpl-", completion_choice,
-    lambda index, text, finish: {"index": index, "text": text, "logprobs": None, "finish_reason": finish},
-)
-CHAT = OpenAIFormat(
-    "chat.completion", "chat.completion.chunk", "chatcmpl-", chat_chunk_choice,
-    lambda index, text, finish: {"index": index, "message": {"role": "assistant", "content": text},
-                                 "logprobs": None, "finish_reason": finish},
-)
+COMPLETIONS = OpenAIFormat("text_completion", "text_completion", "cmpl-", completion_chunk_choice,
+                           completion_choice, completion_logprobs)
+CHAT = OpenAIFormat("chat.completion", "chat.completion.chunk", "chatcmpl-", chat_chunk_choice, chat_choice,
+                    chat_logprobs_format)
 
 
-async def collect(gen: Generation) -> tuple[list[str], list[str | None], int]:
-    texts, finish_reasons, num_tokens = [""] * gen.n, [None] * gen.n, 0
+@dataclass
+class Collected:
+    """Every choice's whole text, finish reason and logprobs (each delta's lists joined)."""
+
+    texts: list[str]
+    finish_reasons: list[str | None]
+    logprobs: list[dict | None]
+    num_tokens: int = 0
+
+    def add(self, delta: ChoiceDelta) -> None:
+        i = delta.index
+        self.texts[i] += delta.text
+        self.finish_reasons[i] = delta.finish_reason or self.finish_reasons[i]
+        self.num_tokens += delta.num_tokens
+        if delta.logprobs is not None:
+            so_far = self.logprobs[i] or {key: [] for key in delta.logprobs}
+            self.logprobs[i] = {key: so_far[key] + values for key, values in delta.logprobs.items()}
+
+
+async def collect(gen: Generation) -> Collected:
+    collected = Collected([""] * gen.n, [None] * gen.n, [None] * gen.n)
     async with contextlib.aclosing(gen.deltas):
         async for delta in gen.deltas:
-            texts[delta.index] += delta.text
-            finish_reasons[delta.index] = delta.finish_reason or finish_reasons[delta.index]
-            num_tokens += delta.num_tokens
-    return texts, finish_reasons, num_tokens
+            collected.add(delta)
+    return collected
 
 
 async def openai_body(gen: Generation, fmt: OpenAIFormat) -> dict:
-    texts, finish_reasons, num_tokens = await collect(gen)
+    c = await collect(gen)
+    choices = [fmt.choice(i, *choice) for i, choice in enumerate(zip(c.texts, c.finish_reasons, c.logprobs))]
     return {"id": gen.id, "object": fmt.object, "created": gen.created, "model": gen.model,
-            "choices": [fmt.choice(i, text, finish) for i, (text, finish) in enumerate(zip(texts, finish_reasons))],
-            "usage": gen.usage(num_tokens), "server_timing": gen.timing.as_dict()}
+            "choices": choices, "usage": gen.usage(c.num_tokens), "server_timing": gen.timing.as_dict()}
 
 
 async def text_stream(gen: Generation) -> AsyncIterator[str]:

@@ -11,11 +11,13 @@ after the stream has started, a final SSE error event and `[DONE]`.
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import time
 import uuid
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import httpx
 from fastapi import Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from ray.serve.handle import DeploymentHandle
@@ -24,12 +26,13 @@ from deployments.encoding import EncodeError, EncodeRequest, Encoded
 from deployments.errors import ApiError, as_api_error, bad_request, unknown_model
 from deployments.generation import Choice, Generation, ServerTiming, choice_deltas
 from deployments.http_body import BodyT, read_json_body
-from deployments.protocol import GenerateBody, OpenAIBody
+from deployments import prometheus
+from deployments.protocol import DetokenizeBody, GenerateBody, OpenAIBody, TokenizeBody
 from deployments.responses import OpenAIFormat, collect, openai_body, text_stream
 from deployments.security import ApiKeys
 from deployments.sse import sse_events
 from deployments.streams import merge, prepend
-from engine import ModelInfo, SamplingParams
+from engine import ModelInfo
 from engine.detokenizer import TokenVocab
 
 HEALTH_TIMEOUT_S = 5.0
@@ -49,24 +52,38 @@ class Serving:
         """The one body of /v1/completions and /v1/chat/completions."""
         received_at = time.perf_counter()
         body = await self.read(request, model)
-        encoded, timing = await self.encode(body.encode_request(self.info.max_model_len))
-        params = [body.sampling_params(encoded.max_tokens, i) for i in range(body.n)]
-        gen = await self.start(fmt.id_prefix, encoded, params, timing, received_at)
+        body.check()
+        prompts, timing = await self.encode_all(body.encode_requests(self.info.max_model_len))
+        request_id = fmt.id_prefix + uuid.uuid4().hex
+        choices = [self.choice(body, fmt, request_id, i * body.num_choices + j, encoded, j)
+                   for i, encoded in enumerate(prompts) for j in range(body.num_choices)]
+        gen = await self.start(request_id, choices, sum(len(e.token_ids) for e in prompts), timing, received_at)
         if body.stream:
-            return StreamingResponse(sse_events(gen, fmt, body.include_usage), media_type="text/event-stream")
+            events = sse_events(gen, fmt, body.include_usage, body.continuous_usage)
+            return StreamingResponse(events, media_type="text/event-stream")
         return await openai_body(gen, fmt)
+
+    def choice(self, body: OpenAIBody, fmt: OpenAIFormat, request_id: str, index: int, encoded: Encoded,
+               seed_offset: int) -> Choice:
+        """Choice `index` (prompt-major: prompt i's n choices are i*n .. i*n + n - 1, as OpenAI)."""
+        params = body.choice_params(encoded.max_tokens, seed_offset)
+        logprobs = None if params.logprobs is None else fmt.logprobs(self.vocab, params.logprobs)
+        return Choice(index, f"{request_id}-{index}", encoded.token_ids, params,
+                      echo=bool(getattr(body, "echo", False)), include_stop_str=body.include_stop_str_in_output,
+                      format_logprobs=logprobs)
 
     async def generate(self, request: Request) -> Any:
         """/generate: plain text, streamed or whole."""
         received_at = time.perf_counter()
         body = await self.read(request, GenerateBody)
         encoded, timing = await self.encode(body.encode_request(self.info.max_model_len))
-        gen = await self.start("gen-", encoded, [body.sampling_params(encoded.max_tokens)], timing, received_at)
+        request_id = "gen-" + uuid.uuid4().hex
+        choice = Choice(0, request_id, encoded.token_ids, body.sampling_params(encoded.max_tokens))
+        gen = await self.start(request_id, [choice], len(encoded.token_ids), timing, received_at)
         headers = {"Server-Timing": timing.header()}
         if body.stream:
             return StreamingResponse(text_stream(gen), media_type="text/plain; charset=utf-8", headers=headers)
-        texts, _, _ = await collect(gen)
-        return PlainTextResponse(texts[0], headers=headers)
+        return PlainTextResponse((await collect(gen)).texts[0], headers=headers)
 
     def models(self, request: Request) -> dict:
         self.api_keys.check(request.headers.get("authorization"))
@@ -86,6 +103,31 @@ class Serving:
                 "stats": asdict(status.stats), "num_active_requests": status.num_active_requests,
                 "engine_rss_bytes": status.rss_bytes}
         return JSONResponse(body, status_code=503 if status.is_dead else 200)
+
+    async def tokenize(self, request: Request) -> dict:
+        body = await self.read(request, TokenizeBody)
+        ids, strs = await self.tokenizer.tokenize.remote(body.text(), bool(body.return_token_strs))
+        return {"count": len(ids), "max_model_len": self.info.max_model_len, "tokens": ids, "token_strs": strs}
+
+    async def detokenize(self, request: Request) -> dict:
+        body = await self.read(request, DetokenizeBody)
+        if any(t >= self.info.vocab_size for t in body.tokens):
+            raise ApiError(400, f"tokens: token ids must be in [0, {self.info.vocab_size})", param="tokens")
+        return {"prompt": await self.tokenizer.detokenize.remote(body.tokens)}
+
+    async def tokenizer_info(self, request: Request) -> dict:
+        self.api_keys.check(request.headers.get("authorization"))
+        return await self.tokenizer.info.remote()
+
+    def version(self, request: Request) -> dict:
+        self.api_keys.check(request.headers.get("authorization"))
+        return {"version": importlib.metadata.version("rayinfer")}
+
+    async def metrics(self, request: Request) -> PlainTextResponse:
+        self.api_keys.check(request.headers.get("authorization"))
+        async with httpx.AsyncClient() as http:
+            text = await prometheus.scrape(http)
+        return PlainTextResponse(text, media_type=prometheus.CONTENT_TYPE)
 
     async def read(self, request: Request, model: type[BodyT]) -> BodyT:
         """Auth first (an unauthorized body is never read), then the size-capped body, then
@@ -107,18 +149,20 @@ class Serving:
             raise bad_request(result)
         return result, ServerTiming(tokenize_ms=1000 * (time.perf_counter() - started))
 
-    async def start(self, id_prefix: str, encoded: Encoded, params: list[SamplingParams],
+    async def encode_all(self, requests: list[EncodeRequest]) -> tuple[list[Encoded], ServerTiming]:
+        """Every prompt's ids, encoded concurrently (the tokenizer batches them)."""
+        results = await asyncio.gather(*(self.encode(r) for r in requests))
+        return [encoded for encoded, _ in results], results[0][1]
+
+    async def start(self, request_id: str, choices: list[Choice], num_prompt_tokens: int,
                     timing: ServerTiming, received_at: float) -> Generation:
         """Starts one engine request per choice and waits for the first delta, so errors
         raised before any token (the engine's own validation) become HTTP errors."""
-        request_id = id_prefix + uuid.uuid4().hex
-        streams = [choice_deltas(self.engine, self.vocab, Choice(i, f"{request_id}-{i}", encoded.token_ids, p),
-                                 timing, received_at) for i, p in enumerate(params)]
+        streams = [choice_deltas(self.engine, self.vocab, c, timing, received_at) for c in choices]
         deltas = streams[0] if len(streams) == 1 else merge(streams)
         try:
             first = await anext(deltas)
         except Exception as exc:
             raise as_api_error(exc) from exc
-        return Generation(request_id, self.model_name, len(encoded.token_ids), len(params),
-                          prepend(first, deltas), timing)
-
+        return Generation(request_id, self.model_name, [len(c.prompt_token_ids) for c in choices],
+                          num_prompt_tokens, prepend(first, deltas), timing)

@@ -9,6 +9,7 @@ light load, big batches under heavy load). Each request gets its own result, `En
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from ray import serve
 
@@ -17,6 +18,19 @@ from deployments.logs import route_logs_to_serve
 from deployments.metrics import TokenizerMetrics
 from engine.loader import load_tokenizer
 from engine.request_rules import InvalidRequestError, check_context, check_prompt
+
+
+_PATHS = {"vocab_file", "merges_file", "tokenizer_file", "name_or_path"}
+
+
+def _jsonable(value: Any) -> Any:
+    if hasattr(value, "content"):  # an AddedToken
+        return value.content
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return value if isinstance(value, (str, int, float, bool, type(None))) else str(value)
 
 
 @serve.deployment(
@@ -43,6 +57,23 @@ class TokenizerDeployment:
         results = [self._check(r, next(encoded) if r.text is not None else r.prompt) for r in requests]
         self._metrics.record_batch(len(requests), time.perf_counter() - started)
         return results
+
+    def tokenize(self, text: str, return_token_strs: bool = False) -> tuple[list[int], list[str] | None]:
+        """POST /tokenize: the ids (as encode makes them, no special tokens added) and, on
+        request, their token strings."""
+        ids = self._tokenizer(text, add_special_tokens=False)["input_ids"]
+        return ids, self._tokenizer.convert_ids_to_tokens(ids) if return_token_strs else None
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        """POST /detokenize: ids the ingress has checked against the vocabulary."""
+        return self._tokenizer.decode(token_ids)
+
+    def info(self) -> dict:
+        """GET /tokenizer_info, as vLLM: the tokenizer's init arguments, no file paths."""
+        config = {k: _jsonable(v) for k, v in self._tokenizer.init_kwargs.items() if k not in _PATHS}
+        config.update(tokenizer_class=type(self._tokenizer).__name__, eos_token=self._tokenizer.eos_token,
+                      bos_token=self._tokenizer.bos_token)
+        return config
 
     def _check(self, request: EncodeRequest, token_ids: list[int] | None) -> Encoded | EncodeError:
         """The engine's prompt rules, checked here so that a bad prompt is a 400 naming its field."""

@@ -53,6 +53,7 @@ class IncrementalDetokenizer:
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._held = ""  # decoded text not yet emitted: a suffix that may start a stop string
         self.is_stopped = False
+        self.stop_str = ""  # the stop string that matched, once stopped
 
     def push(self, token_ids: Sequence[int]) -> DetokenizedDelta:
         if self.is_stopped:
@@ -82,8 +83,9 @@ class IncrementalDetokenizer:
             return text
         # A match ending in `text` starts within `text` or within the held suffix.
         window = self._held + text
-        start = _first_match(window, self._stop)
-        if start is not None:
+        match = _first_match(window, self._stop)
+        if match is not None:
+            start, self.stop_str = match
             self.is_stopped, self._held = True, ""
             return window[:start]
         num_held = self._num_held(window)
@@ -99,8 +101,9 @@ class IncrementalDetokenizer:
         return 0
 
 
-def _first_match(text: str, stop: Sequence[str]) -> int | None:
-    starts = [i for i in (text.find(s) for s in stop) if i >= 0]
+def _first_match(text: str, stop: Sequence[str]) -> tuple[int, str] | None:
+    """Where the earliest stop string starts, and which one it is."""
+    starts = [(i, s) for i, s in ((text.find(s), s) for s in stop) if i >= 0]
     return min(starts) if starts else None
 
 
