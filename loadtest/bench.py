@@ -21,6 +21,7 @@ venv on that checkpoint (loadtest/vllm_peer.py), runs the same workload on it an
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from collections.abc import Sequence
 from dataclasses import replace

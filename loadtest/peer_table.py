@@ -31,7 +31,9 @@ from pathlib import Path
 
 import yaml
 
-from loadtest.bench import BenchConfig, BenchResult, Target, Workload, run_benchmark
+from loadtest.http_target import BenchConfig, Target, run_benchmark
+from loadtest.results import BenchResult
+from loadtest.workload import Workload
 from loadtest.cpu_usage import ProcessCpu, cpu_since, cpu_snapshot, cpu_table, settle
 from loadtest.vllm_peer import VllmServer, VllmServerConfig, is_healthy, find_vllm, run_vllm_offline_target
 
@@ -147,7 +149,7 @@ def _stop(process: subprocess.Popen, timeout_s: float = 60.0) -> None:
 
 
 def run_rayinfer(args: argparse.Namespace, workload: TableWorkload, cpu: dict) -> ServerRows:
-    from loadtest.offline import OfflineTarget, run_offline
+    from loadtest.offline_target import OfflineTarget, run_offline
 
     target = OfflineTarget(str(args.checkpoint.resolve()), weights="pretrained", dtype=args.dtype,
                            label="rayinfer offline")

