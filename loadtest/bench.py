@@ -39,6 +39,14 @@ from loadtest.workload import Workload
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_server_args(parser)
+    add_peer_args(parser)
+    add_workload_args(parser)
+    return parser.parse_args(argv)
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    """The HTTP servers under test."""
     parser.add_argument("--url", default="http://127.0.0.1:8000", help="base URL of the server under test")
     parser.add_argument("--label", default="rayinfer")
     parser.add_argument("--model", default=None, help="model field to send (omitted when not given)")
@@ -49,6 +57,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--compare-model", default=None)
     parser.add_argument("--compare-api", choices=["completions", "chat"], default="completions")
     parser.add_argument("--compare-ignore-eos", action="store_true")
+
+
+def add_peer_args(parser: argparse.ArgumentParser) -> None:
+    """The targets beside them: the offline engine, vLLM, the engine over a Serve handle."""
     parser.add_argument("--offline-model", default=None,
                         help="also run the workload on an in-process engine (random weights), e.g. gpt2")
     parser.add_argument("--offline-dtype", default="bfloat16")
@@ -64,6 +76,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--handle-app", default=None,
                         help="also send the workload to this app's engine deployment over a Serve handle (this "
                              "process joins its Ray cluster): Ray and the engine replica, without HTTP")
+
+
+def add_workload_args(parser: argparse.ArgumentParser) -> None:
+    """What is sent, how often it is run, and where the results go."""
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--concurrency", type=int, default=None, help="requests in flight (default 8 without a rate)")
     parser.add_argument("--request-rate", type=float, default=None, help="open loop: requests per second")
@@ -80,7 +96,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sweep", default=None, help="comma-separated concurrency levels, e.g. 1,8,32,64")
     parser.add_argument("--out", type=Path, default=None, help="directory for bench.json, bench.md (and sweep.png)")
     parser.add_argument("--no-progress", action="store_true")
-    return parser.parse_args(argv)
 
 
 def targets_from_args(args: argparse.Namespace) -> list[Target]:
