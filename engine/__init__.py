@@ -3,19 +3,25 @@
 Knows nothing of Ray or HTTP. The public API:
 
     LLM(model, weights=..., dtype=..., device=..., seed=..., **EngineConfig fields)
-        .generate(prompts, sampling_params) -> [CompletionOutput(token_ids, text, finish_reason)]
-    SamplingParams(max_tokens, temperature, top_p, top_k, seed, stop, ignore_eos, ...)
-    AsyncEngine(EngineConfig(...)).generate(request_id, prompt_token_ids, params) -> chunks
+        .generate(prompts, sampling_params) -> [CompletionOutput(token_ids, text, finish_reason,
+                                                 logprobs, cumulative_logprob, prompt_logprobs)]
+    SamplingParams(max_tokens, temperature, top_p, top_k, min_p, seed, stop, stop_token_ids,
+                   ignore_eos, min_tokens, presence/frequency/repetition_penalty, logit_bias,
+                   logprobs, prompt_logprobs, n, best_of)
+        .fan_out() -> one SamplingParams per sequence to run; select_best(cumulative, n)
+    AsyncEngine(EngineConfig(...)).generate(request_id, prompt_token_ids, params) -> GenerationChunks
+    TokenLogprob(token_id, logprob, top): a logprob of the model's raw distribution
 """
 
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.llm import LLM, CompletionOutput
 from engine.llm_engine import LLMEngine
+from engine.logprobs import TokenLogprob
 from engine.outputs import (
     ChunkTimings, EngineDeadError, EngineOverloadedError, EngineStats, GenerationChunk, ModelInfo,
 )
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, select_best
 
 __all__ = [
     "LLM",
@@ -30,4 +36,6 @@ __all__ = [
     "LLMEngine",
     "ModelInfo",
     "SamplingParams",
+    "TokenLogprob",
+    "select_best",
 ]

@@ -130,12 +130,22 @@ def test_prompt_logprobs_survive_a_prefix_cache_hit(tiny_gpt2_dir, hf_fp32):
     assert llm.engine.stats().num_kv_blocks_used == 0
 
 
-def test_prompt_logprobs_survive_preemption(tiny_gpt2_dir, hf_fp32):
-    # 10 blocks of 16 tokens for prompts needing 14: sequences are preempted and recomputed.
-    llm = make_llm(tiny_gpt2_dir, num_kv_blocks=10, max_num_batched_tokens=64)
-    prompts = mixed_prompts(12)[5:9]
-    outputs = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, prompt_logprobs=1, logprobs=1))
-    assert llm.engine.stats().num_preemptions > 0
+def test_prompt_logprobs_survive_preemption_mid_prefill(tiny_gpt2_dir, hf_fp32):
+    # 12 blocks of 16 tokens, 32-token chunks, prompts needing 21 blocks: sequences are
+    # preempted part-way through scoring their prompts and recomputed from the start.
+    llm = make_llm(tiny_gpt2_dir, num_kv_blocks=12, max_num_batched_tokens=32, max_num_seqs=4)
+    scheduler = llm.engine.scheduler
+    preempted_mid_scoring = []
+    real_preempt = scheduler._preempt
+
+    def preempt(seq):  # a spy: records, then the real preemption
+        preempted_mid_scoring.append(seq.needs_prompt_logprobs and len(seq.prompt_logprobs) > 1)
+        real_preempt(seq)
+
+    scheduler._preempt = preempt
+    prompts = [mixed_prompts(12)[i] for i in (7, 10, 6, 9)]  # 120, 90, 64, 48 tokens
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, prompt_logprobs=1, logprobs=1))
+    assert any(preempted_mid_scoring)
     for prompt, out in zip(prompts, outputs):
         assert_prompt_logprobs_match(hf_fp32, prompt, out.prompt_logprobs, k=1)
         assert_output_logprobs_match(hf_fp32, prompt, out, k=1)
