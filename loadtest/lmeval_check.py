@@ -176,7 +176,8 @@ def compare(served: dict[str, list[dict]], reference: dict[str, list[dict]]) -> 
         for i, ((ll, greedy), (ref_ll, ref_greedy)) in enumerate(zip(_ll(ours), _ll(theirs), strict=True)):
             worst = max(worst, abs(ll - ref_ll))
             if abs(ll - ref_ll) > TOLERANCE or greedy != ref_greedy:
-                problems.append(f"doc {ours['doc_id']} choice {i}: ({ll:.6f}, {greedy}) vs hf ({ref_ll:.6f}, {ref_greedy})")
+                problems.append(f"doc {ours['doc_id']} choice {i}: ({ll:.6f}, {greedy}) "
+                                f"vs hf ({ref_ll:.6f}, {ref_greedy})")
     for ours, theirs in zip(served["rayinfer_gen"], reference["rayinfer_gen"], strict=True):
         if ours["resps"] != theirs["resps"]:
             problems.append(f"generation doc {ours['doc_id']}: {ours['resps']!r} vs hf {theirs['resps']!r}")
