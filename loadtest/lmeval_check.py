@@ -77,10 +77,30 @@ metric_list:
 """
 
 
-def write_tasks(directory: Path) -> None:
+def greedy_choices(checkpoint: Path, num_tokens: int = 3) -> list[str]:
+    """Each question's greedy continuation on this checkpoint, decoded, so that some choices
+    are the model's argmax and lm-eval's is_greedy is true for them (random weights make
+    every hand-written choice non-greedy)."""
+    import torch
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(checkpoint)
+    model = transformers.GPT2LMHeadModel.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    texts = []
+    for question, _ in QUESTIONS:
+        ids = tokenizer(question, return_tensors="pt").input_ids
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=num_tokens, do_sample=False, pad_token_id=0)
+        texts.append(tokenizer.decode(out[0, ids.shape[1]:]))
+    return texts
+
+
+def write_tasks(directory: Path, checkpoint: Path) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     ll_data, gen_data = directory / "ll.jsonl", directory / "gen.jsonl"
-    ll_data.write_text("".join(json.dumps({"question": q, "choices": c}) + "\n" for q, c in QUESTIONS))
+    greedy = greedy_choices(checkpoint)
+    rows = [{"question": q, "choices": [*c, g]} for (q, c), g in zip(QUESTIONS, greedy)]
+    ll_data.write_text("".join(json.dumps(row) + "\n" for row in rows))
     gen_data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
     (directory / "rayinfer_ll.yaml").write_text(LL_TASK.format(data=ll_data))
     (directory / "rayinfer_gen.yaml").write_text(GEN_TASK.format(data=gen_data))
@@ -156,18 +176,20 @@ def compare(served: dict[str, list[dict]], reference: dict[str, list[dict]]) -> 
         for i, ((ll, greedy), (ref_ll, ref_greedy)) in enumerate(zip(_ll(ours), _ll(theirs), strict=True)):
             worst = max(worst, abs(ll - ref_ll))
             if abs(ll - ref_ll) > TOLERANCE or greedy != ref_greedy:
-                problems.append(f"doc {ours['doc_id']} choice {i}: ({ll:.6f}, {greedy}) vs hf ({ref_ll:.6f}, {ref_greedy})")
+                problems.append(f"doc {ours['doc_id']} choice {i}: ({ll:.6f}, {greedy}) "
+                                f"vs hf ({ref_ll:.6f}, {ref_greedy})")
     for ours, theirs in zip(served["rayinfer_gen"], reference["rayinfer_gen"], strict=True):
         if ours["resps"] != theirs["resps"]:
             problems.append(f"generation doc {ours['doc_id']}: {ours['resps']!r} vs hf {theirs['resps']!r}")
     num_ll = sum(len(s["resps"]) for s in served["rayinfer_ll"])
-    print(f"{num_ll} loglikelihoods, largest difference {worst:.2e} (tolerance {TOLERANCE}); "
+    num_greedy = sum(greedy for s in served["rayinfer_ll"] for _, greedy in _ll(s))
+    print(f"{num_ll} loglikelihoods ({num_greedy} is_greedy), largest difference {worst:.2e} (tolerance {TOLERANCE}); "
           f"{len(served['rayinfer_gen'])} generations compared")
     return problems
 
 
 def _ll(sample: dict) -> list[tuple[float, bool]]:
-    return [(float(r[0][0]), bool(r[0][1])) for r in sample["resps"]]
+    return [(float(r[0][0]), r[0][1] in (True, "True")) for r in sample["resps"]]  # logged as a string
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -177,7 +199,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workdir", type=Path, default=None)
     args = parser.parse_args(argv)
     work = args.workdir or Path(tempfile.mkdtemp(prefix="lmeval-check-"))
-    write_tasks(work / "tasks")
+    write_tasks(work / "tasks", args.checkpoint.resolve())
     server = ServeRun(serve_config(args.checkpoint.resolve(), work / "serve.yaml"), work / "serve.log")
     try:
         server.wait_ready()

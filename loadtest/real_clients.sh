@@ -31,7 +31,7 @@ for _ in $(seq 240); do curl -sf "127.0.0.1:$PORT/health" > /dev/null && break; 
 completion_tokens() {
   curl -s "127.0.0.1:$PORT/metrics" | awk '/^ray_rayinfer_completion_tokens_total/ {s += $NF} END {print s + 0}'
 }
-settle() { sleep 3; }  # Ray reports each replica's metrics every few seconds
+settle() { sleep 15; }  # Ray exports each replica's metrics every 10 s by default
 
 before=$(completion_tokens)
 HF_HUB_OFFLINE=1 "$VENVS/guidellm/bin/guidellm" run \
