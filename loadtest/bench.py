@@ -66,13 +66,7 @@ def add_peer_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--offline-dtype", default="bfloat16")
     parser.add_argument("--offline-weights", choices=["random", "pretrained", "auto"], default="random",
                         help="weights of --offline-model (pretrained: the checkpoint directory the servers load)")
-    parser.add_argument("--vllm-model", type=Path, default=None,
-                        help="start vLLM's CPU server on this checkpoint directory and run the workload on it too")
-    parser.add_argument("--vllm-port", type=int, default=8100)
-    parser.add_argument("--vllm-offline", action="store_true",
-                        help="also run vLLM's offline LLM.generate on the same prompts (needs --vllm-model)")
-    parser.add_argument("--vllm-venv", type=Path, default=None, help="vLLM's venv (default $VLLM_VENV or "
-                        "~/.cache/peers/vllm-cpu)")
+    add_vllm_args(parser)
     parser.add_argument("--handle-app", default=None,
                         help="also send the workload to this app's engine deployment over a Serve handle (this "
                              "process joins its Ray cluster): Ray and the engine replica, without HTTP")
@@ -97,6 +91,16 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=None, help="directory for bench.json, bench.md (and sweep.png)")
     parser.add_argument("--no-progress", action="store_true")
 
+
+
+def add_vllm_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--vllm-model", type=Path, default=None,
+                        help="start vLLM's CPU server on this checkpoint directory and run the workload on it too")
+    parser.add_argument("--vllm-port", type=int, default=8100)
+    parser.add_argument("--vllm-offline", action="store_true",
+                        help="also run vLLM's offline LLM.generate on the same prompts (needs --vllm-model)")
+    parser.add_argument("--vllm-venv", type=Path, default=None, help="vLLM's venv (default $VLLM_VENV or "
+                        "~/.cache/peers/vllm-cpu)")
 
 def targets_from_args(args: argparse.Namespace) -> list[Target]:
     targets = [Target(args.url, args.label, args.model, args.api, args.ignore_eos)]
