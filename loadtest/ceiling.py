@@ -15,42 +15,14 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from dataclasses import dataclass
 
 import torch
-from transformers import GPT2LMHeadModel
 
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine, build_model
-from engine.loader import resolve_model
-from engine.models.gpt2 import CONV1D_WEIGHTS, GPT2LMHead, hf_to_own_name
+from engine.llm_engine import LLMEngine
+from engine.models.gpt2 import GPT2LMHead
 from engine.sampling_params import SamplingParams
-
-
-@dataclass
-class Row:
-    name: str
-    num_tokens: int
-    seconds: float
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.num_tokens / self.seconds
-
-
-def make_prompts(num: int, length: int, vocab_size: int) -> list[list[int]]:
-    return torch.randint(0, vocab_size, (num, length), generator=torch.Generator().manual_seed(0)).tolist()
-
-
-def run_engine(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, name: str) -> Row:
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    start = time.perf_counter()
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"{name}-{time.monotonic_ns()}-{i}", prompt, params)
-    num_tokens = 0
-    while engine.has_unfinished_requests():
-        num_tokens += sum(out.token_id is not None for out in engine.step())
-    return Row(name, num_tokens, time.perf_counter() - start)
+from loadtest.engine_bench import Result, hf_model, make_prompts, run_engine, run_hf
 
 
 def decode_step_ms(engine: LLMEngine, prompts: list[list[int]], num_steps: int) -> float:
@@ -88,29 +60,16 @@ def linears_ms(model: GPT2LMHead, rows: int, lm_rows: int | None = None, repeats
     return statistics.median(times[1:]) * 1000
 
 
-def matmuls_alone(model: GPT2LMHead, num: int, prompt_len: int, max_tokens: int) -> Row:
+def matmuls_alone(model: GPT2LMHead, num: int, prompt_len: int, max_tokens: int) -> Result:
     # Prefill samples one row per prompt through the LM head; the block linears see every token.
     seconds = (linears_ms(model, num * prompt_len, num) + (max_tokens - 1) * linears_ms(model, num)) / 1000
-    return Row("matmuls alone (ceiling)", num * max_tokens, seconds)
+    return Result("matmuls alone (ceiling)", num * max_tokens, seconds)
 
 
-def hf_static(config: EngineConfig, prompts: list[list[int]], max_tokens: int) -> Row:
-    source = resolve_model(config.model, "random")
-    ours = build_model(source, torch.float32, torch.device("cpu"), config.seed, "reference").state_dict()
-    model = GPT2LMHeadModel(source.config).eval()
-    for name, param in model.transformer.state_dict().items():
-        own = hf_to_own_name(name)
-        if own is not None:
-            param.copy_(ours[own].t() if name.endswith(CONV1D_WEIGHTS) else ours[own])
-    model = model.to(config.torch_dtype)
-    ids = torch.tensor(prompts)
-    with torch.inference_mode():
-        kwargs = dict(do_sample=False, pad_token_id=0)
-        model.generate(ids[:4], attention_mask=torch.ones_like(ids[:4]), max_new_tokens=4, **kwargs)  # warm-up
-        start = time.perf_counter()
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
-                             min_new_tokens=max_tokens, **kwargs)
-    return Row("HF generate (static batch)", (out.shape[1] - ids.shape[1]) * out.shape[0], time.perf_counter() - start)
+def hf_static(config: EngineConfig, prompts: list[list[int]], max_tokens: int) -> Result:
+    model = hf_model(config)
+    run_hf(model, prompts[:4], 4)  # warm-up
+    return run_hf(model, prompts, max_tokens)
 
 
 def main() -> None:

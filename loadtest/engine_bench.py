@@ -38,7 +38,7 @@ def make_prompts(num_requests: int, prompt_len: int, vocab_size: int, seed: int 
     return torch.randint(0, vocab_size, (num_requests, prompt_len), generator=generator).tolist()
 
 
-def run_engine(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> Result:
+def run_engine(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, name: str = "rayinfer engine") -> Result:
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     start = time.perf_counter()
     for i, prompt in enumerate(prompts):
@@ -46,7 +46,7 @@ def run_engine(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> 
     num_tokens = 0
     while engine.has_unfinished_requests():
         num_tokens += sum(out.token_id is not None for out in engine.step())
-    return Result("rayinfer engine", num_tokens, time.perf_counter() - start)
+    return Result(name, num_tokens, time.perf_counter() - start)
 
 
 def decode_ms_per_token(engine: LLMEngine, prompt: list[int], max_tokens: int) -> float:
