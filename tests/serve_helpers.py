@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import random
 import shutil
 import signal
 import socket
@@ -22,10 +23,21 @@ ROOT = Path(__file__).resolve().parents[1]
 READY_TIMEOUT_S = 180
 
 
+# Below Linux's ephemeral range (32768+), where the kernel hands out ports to every process
+# that binds port 0 (Ray's gRPC servers among them), and above Ray's worker ports
+# (10002-19999): a port picked here is not taken between the check and the proxy's bind.
+_PORT_RANGE = (20000, 32000)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    for port in random.Random().sample(range(*_PORT_RANGE), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {_PORT_RANGE}")
 
 
 def is_running(pid: int) -> bool:
