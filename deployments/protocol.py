@@ -11,12 +11,14 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic.fields import FieldInfo
 
 from deployments.encoding import ChatMessage, EncodeRequest, apply_chat_template
 from deployments.errors import ApiError
 from deployments.unsupported import NO_CHAT_TEMPLATE, NO_TOOLS, ChatRefusals, CompletionRefusals, refused
 from engine import SamplingParams
-from engine.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS
+from engine import sampling_limits as limits
+from engine.sampling_limits import MAX_STOP_STRINGS, Bound
 
 MAX_N = 8
 
@@ -31,8 +33,15 @@ class StreamOptions(_Body):
     continuous_usage_stats: bool | None = False  # vLLM's: usage on every chunk too
 
 
-Penalty = Annotated[float, Field(ge=-2, le=2)]
-TokenId = Annotated[int, Field(ge=0)]
+def within(bound: Bound, **tighter: float) -> FieldInfo:
+    """A field's limits from engine/sampling_limits.py (the engine checks the same ones),
+    optionally narrowed for HTTP clients (e.g. n <= MAX_N)."""
+    return Field(**{**bound.constraints(), **tighter})
+
+
+Penalty = Annotated[float, within(limits.PENALTY)]
+TokenId = Annotated[int, within(limits.TOKEN_ID)]
+Logprobs = Annotated[int, within(limits.LOGPROBS)]
 
 
 class SamplingBody(_Body):
@@ -40,22 +49,21 @@ class SamplingBody(_Body):
     the logprobs fields (whose shapes differ)."""
 
     model: str | None = None
-    temperature: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None  # None: 1
-    top_p: Annotated[float, Field(gt=0, le=1)] | None = None  # None: 1
-    top_k: Annotated[int, Field(ge=-1)] | None = None
-    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
-    # torch seeds are 64-bit; seed + choice index must stay one.
-    seed: Annotated[int, Field(ge=-(2**63), lt=2**63)] | None = None
+    temperature: Annotated[float, within(limits.TEMPERATURE)] | None = None  # None: 1
+    top_p: Annotated[float, within(limits.TOP_P)] | None = None  # None: 1
+    top_k: Annotated[int, within(limits.TOP_K)] | None = None
+    min_p: Annotated[float, within(limits.MIN_P)] | None = None
+    seed: Annotated[int, within(limits.SEED)] | None = None
     stop: str | Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
-    n: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
+    n: Annotated[int, within(limits.NUM_SEQUENCES, le=MAX_N)] | None = None
     ignore_eos: bool = False
-    min_tokens: Annotated[int, Field(ge=0)] = 0
+    min_tokens: Annotated[int, within(limits.MIN_TOKENS)] = 0
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
-    repetition_penalty: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None
-    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
+    repetition_penalty: Annotated[float, within(limits.REPETITION_PENALTY)] | None = None
+    logit_bias: dict[str, Annotated[float, within(limits.LOGIT_BIAS)]] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # OpenAI: an end-user id for abuse monitoring; no effect on output
@@ -107,10 +115,10 @@ class CompletionBody(SamplingBody, CompletionRefusals):
     # OpenAI's four shapes: a string, a list of strings, token ids, a list of token-id lists.
     prompt: (TextPrompt | Annotated[list[TextPrompt], Field(min_length=1)] | IdsPrompt
              | Annotated[list[IdsPrompt], Field(min_length=1)])
-    max_tokens: Annotated[int, Field(ge=0)] | None = 16  # 0 only with echo: the prompt alone
+    max_tokens: Annotated[int, within(limits.MAX_TOKENS)] | None = 16  # 0 only with echo: the prompt alone
     echo: bool | None = False
-    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    best_of: Annotated[int, Field(ge=1)] | None = None
+    logprobs: Logprobs | None = None
+    best_of: Annotated[int, within(limits.NUM_SEQUENCES)] | None = None
 
     @property
     def prompts(self) -> list[str | list[int]]:
@@ -154,10 +162,10 @@ class MessageBody(_Body):
 
 class ChatBody(SamplingBody, ChatRefusals):
     messages: Annotated[list[MessageBody], Field(min_length=1)]
-    max_tokens: Annotated[int, Field(ge=1)] | None = None  # None: the rest of the context
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_tokens: Annotated[int, within(limits.NEW_TOKENS)] | None = None  # None: the rest of the context
+    max_completion_tokens: Annotated[int, within(limits.NEW_TOKENS)] | None = None
     logprobs: bool | None = False
-    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    top_logprobs: Logprobs | None = None
     # Accepted, with no effect on the output by their definitions: tools are refused, nothing
     # is stored, there is one service tier, the prefix cache needs no key, GPT-2 has no reasoning.
     parallel_tool_calls: bool | None = None
@@ -184,11 +192,11 @@ class ChatBody(SamplingBody, ChatRefusals):
 
 class GenerateBody(_Body):
     prompt: Annotated[str, Field(min_length=1)]
-    max_new_tokens: Annotated[int, Field(ge=1)] = 16
+    max_new_tokens: Annotated[int, within(limits.NEW_TOKENS)] = 16
     stream: bool = False
-    temperature: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 1.0
-    top_k: Annotated[int, Field(ge=-1)] = 0
-    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
+    temperature: Annotated[float, within(limits.TEMPERATURE)] = 1.0
+    top_k: Annotated[int, within(limits.TOP_K)] = 0
+    top_p: Annotated[float, within(limits.TOP_P)] = 1.0
     stop_on_eos: bool = True
 
     def encode_request(self, max_model_len: int) -> EncodeRequest:

@@ -7,7 +7,7 @@ field. A broken rule raises InvalidRequestError (a ValueError) carrying that fie
 
 from __future__ import annotations
 
-from collections.abc import Container, Sequence
+from collections.abc import Container, Iterable, Sequence
 
 from engine.sampling_params import SamplingParams
 
@@ -31,19 +31,20 @@ def check_request_id_free(request_id: str, in_use: Container[str]) -> None:
 def check_prompt(token_ids: Sequence[object], vocab_size: int, param: str = "prompt") -> None:
     if not token_ids:
         raise InvalidRequestError(f"{param} must not be empty", param)
+    check_token_ids(token_ids, vocab_size, param)
+
+
+def check_token_ids(token_ids: Iterable[object], vocab_size: int, param: str) -> None:
+    """Every id a token of the vocabulary: prompts, stop_token_ids, logit_bias, /detokenize."""
     if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size for t in token_ids):
-        raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab_size})", param)
+        raise InvalidRequestError(f"{param}: token ids must be integers in [0, {vocab_size})", param)
 
 
 def check_params(params: SamplingParams, vocab_size: int) -> None:
     """What SamplingParams cannot check alone: token ids against the vocabulary, and one
     sequence per engine request."""
-    if any(t >= vocab_size for t in params.stop_token_ids):
-        raise InvalidRequestError(f"stop_token_ids must be token ids below the vocabulary size {vocab_size}",
-                                  "stop_token_ids")
-    if params.logit_bias and any(t >= vocab_size for t in params.logit_bias):
-        raise InvalidRequestError(f"logit_bias keys must be token ids below the vocabulary size {vocab_size}",
-                                  "logit_bias")
+    check_token_ids(params.stop_token_ids, vocab_size, "stop_token_ids")
+    check_token_ids(params.logit_bias or (), vocab_size, "logit_bias")
     if params.num_sequences > 1 or params.best_of is not None:
         raise InvalidRequestError(f"n ({params.n}) and best_of ({params.best_of}) describe several sequences; "
                                   "the engine runs one per request: submit each of params.fan_out()", "n")

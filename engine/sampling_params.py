@@ -1,21 +1,22 @@
 """Per-request sampling parameters, validated at construction.
 
 Fields follow OpenAI's and vLLM's definitions. Every rule that needs only the parameters
-lives here; the rules that need the model (token ids below the vocabulary size, prompt +
+is checked here, against the limits in engine/sampling_limits.py (which the HTTP bodies
+declare too); the rules that need the model (token ids below the vocabulary size, prompt +
 max_tokens within the context) live in engine/request_rules.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from functools import cached_property
 
-MAX_STOP_STRINGS = 16
-MAX_LOGPROBS = 20  # top alternatives per position, as vLLM's default max_logprobs
-MAX_LOGIT_BIAS = 100.0  # OpenAI: each bias in [-100, 100]
-MAX_PENALTY = 2.0  # OpenAI: presence and frequency penalties in [-2, 2]
+from engine.sampling_limits import (
+    LOGIT_BIAS, LOGPROBS, MAX_STOP_STRINGS, MAX_TOKENS, MIN_P, MIN_TOKENS, NUM_SEQUENCES, PENALTY,
+    REPETITION_PENALTY, SEED, TEMPERATURE, TOKEN_ID, TOP_K, TOP_P,
+)
+
 
 
 @dataclass(frozen=True)
@@ -62,53 +63,42 @@ class SamplingParams:
         self._validate_logprobs()
 
     def _validate(self) -> None:
-        if not _is_int(self.max_tokens) or self.max_tokens < 0:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        MAX_TOKENS.check("max_tokens", self.max_tokens)
         if self.max_tokens == 0 and self.prompt_logprobs is None:
             raise ValueError("max_tokens must be an integer >= 1 (0 only with prompt_logprobs, to score the prompt)")
-        if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not _is_int(self.top_k) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 or -1 disables it), got {self.top_k!r}")
-        if not _is_real(self.min_p) or not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        for name, bound in (("temperature", TEMPERATURE), ("top_p", TOP_P), ("top_k", TOP_K), ("min_p", MIN_P)):
+            bound.check(name, getattr(self, name))
+        if self.seed is not None:
+            SEED.check("seed", self.seed)
         if len(self.stop) > MAX_STOP_STRINGS:
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are supported, got {len(self.stop)}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop strings must be non-empty strings")
-        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
-            raise ValueError("stop_token_ids must be non-negative integers")
+        if not all(TOKEN_ID.contains(t) for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids: each must be {TOKEN_ID.describe()}, got {list(self.stop_token_ids)}")
 
     def _validate_controls(self) -> None:
-        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+        if not MIN_TOKENS.contains(self.min_tokens) or self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
         for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if not _is_real(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:
-                raise ValueError(f"{name} must be a number in [-2, 2], got {value!r}")
-        if not _is_real(self.repetition_penalty) or not 0 < self.repetition_penalty < math.inf:
-            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
+            PENALTY.check(name, getattr(self, name))
+        REPETITION_PENALTY.check("repetition_penalty", self.repetition_penalty)
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 raise ValueError(f"logit_bias must map token ids to numbers, got {type(self.logit_bias).__name__}")
-            if any(not _is_int(t) or t < 0 for t in self.logit_bias):
-                raise ValueError("logit_bias keys must be non-negative integer token ids")
-            if any(not _is_real(b) or not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS for b in self.logit_bias.values()):
-                raise ValueError("logit_bias values must be numbers in [-100, 100]")
-        if not _is_int(self.n) or self.n < 1:
-            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
-        if self.best_of is not None and (not _is_int(self.best_of) or self.best_of < self.n):
+            if not all(TOKEN_ID.contains(t) for t in self.logit_bias):
+                raise ValueError(f"logit_bias keys must be token ids, each {TOKEN_ID.describe()}")
+            if not all(LOGIT_BIAS.contains(b) for b in self.logit_bias.values()):
+                raise ValueError(f"logit_bias values must each be {LOGIT_BIAS.describe()}")
+        NUM_SEQUENCES.check("n", self.n)
+        if self.best_of is not None and (not NUM_SEQUENCES.contains(self.best_of) or self.best_of < self.n):
             raise ValueError(f"best_of must be an integer >= n ({self.n}), got {self.best_of!r}")
 
     def _validate_logprobs(self) -> None:
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
-                raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}] or None, got {value!r}")
+            if value is not None:
+                LOGPROBS.check(name, value)
 
     @property
     def is_greedy(self) -> bool:
@@ -156,10 +146,3 @@ def select_best(cumulative_logprobs: list[float | None], n: int) -> list[int]:
         raise ValueError("ranking needs every sequence's cumulative_logprob: run fan_out()'s params")
     return sorted(range(len(cumulative_logprobs)), key=lambda i: -cumulative_logprobs[i])[:n]
 
-
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_real(x: object) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
