@@ -2,11 +2,16 @@
 # 50257-token vocabulary and its real tokenizer) written the way transformers writes one,
 # in safetensors and in pytorch_model.bin form, and the offline GPT-2 tokenizer. Tests use
 # them wherever a user would meet real weights and a real tokenizer, without a model hub.
+# And the clients of a served app: a module that serves one defines `base_url` (and
+# `http_headers` where its app wants an API key) and gets `http` and `oai` from here.
 from __future__ import annotations
 
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
+import openai
 import pytest
 import torch
 import transformers
@@ -42,3 +47,21 @@ def tiny_gpt2_bin_dir(tmp_path_factory: pytest.TempPathFactory, tiny_gpt2_dir: P
     # transformers 5.x always saves safetensors (save_pretrained ignores safe_serialization).
     torch.save(load_file(tiny_gpt2_dir / "model.safetensors"), directory / "pytorch_model.bin")
     return directory
+
+
+@pytest.fixture(scope="module")
+def http_headers() -> dict[str, str]:
+    """Headers every request of the module's `http` client carries (an API key, where the app has one)."""
+    return {}
+
+
+@pytest.fixture(scope="module")
+def http(base_url: str, http_headers: dict[str, str]) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=base_url, timeout=60, headers=http_headers) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def oai(base_url: str) -> openai.OpenAI:
+    """The real `openai` SDK against the module's app (its served model is named "tiny")."""
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)

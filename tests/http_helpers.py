@@ -12,7 +12,8 @@ from typing import Any, TypeVar
 import httpx
 from ray import serve
 
-MODEL = "tiny"  # the served_model_name every test app uses
+from tests.serve_helpers import MODEL
+
 PROMPTS = ["Hello, my name is", "The capital of France is", "def fibonacci(n):"]
 
 T = TypeVar("T")

@@ -12,6 +12,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import psutil
@@ -21,6 +22,7 @@ from ray import serve
 
 ROOT = Path(__file__).resolve().parents[1]
 READY_TIMEOUT_S = 180
+MODEL = "tiny"  # the served_model_name every test app uses
 
 
 # Below Linux's ephemeral range (32768+), where the kernel hands out ports to every process
@@ -38,6 +40,11 @@ def free_port() -> int:
                 continue
             return port
     raise RuntimeError(f"no free port in {_PORT_RANGE}")
+
+
+def tiny_app_args(model_dir: Path, **overrides: Any) -> dict[str, Any]:
+    """build_app's arguments for the tiny checkpoint in fp32, served as MODEL."""
+    return {"model": str(model_dir), "served_model_name": MODEL, "dtype": "float32", **overrides}
 
 
 def is_running(pid: int) -> bool:

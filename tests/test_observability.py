@@ -13,7 +13,7 @@ import pytest
 
 from deployments.app import build_app
 from loadtest.headless import run_locust
-from tests.serve_helpers import free_port, running_app
+from tests.serve_helpers import free_port, running_app, tiny_app_args
 
 pytestmark = pytest.mark.serve
 
@@ -24,8 +24,7 @@ NUM_KV_BLOCKS = 48
 def server(tiny_gpt2_dir: Path) -> Iterator[tuple[str, str]]:
     """(API base URL, metrics export URL) of a Serve app on a fresh local Ray."""
     metrics_port = free_port()
-    app = build_app({"model": str(tiny_gpt2_dir), "served_model_name": "tiny", "dtype": "float32",
-                     "engine": {"num_kv_blocks": NUM_KV_BLOCKS}})
+    app = build_app(tiny_app_args(tiny_gpt2_dir, engine={"num_kv_blocks": NUM_KV_BLOCKS}))
     with running_app(app, _metrics_export_port=metrics_port,
                      _system_config={"metrics_report_interval_ms": 500}) as url:
         yield url, f"http://127.0.0.1:{metrics_port}/metrics"

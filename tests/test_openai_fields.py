@@ -17,7 +17,7 @@ import transformers
 
 from deployments.app import build_app
 from engine import LLM, SamplingParams
-from tests.serve_helpers import running_app
+from tests.serve_helpers import running_app, tiny_app_args
 
 pytestmark = pytest.mark.serve
 
@@ -29,21 +29,9 @@ NO_EOS = {"ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def base_url(tiny_gpt2_dir: Path) -> Iterator[str]:
-    app = build_app({"model": str(tiny_gpt2_dir), "served_model_name": "tiny", "dtype": "float32",
-                     "engine": ENGINE_ARGS})
+    app = build_app(tiny_app_args(tiny_gpt2_dir, engine=ENGINE_ARGS))
     with running_app(app) as url:
         yield url
-
-
-@pytest.fixture(scope="module")
-def http(base_url: str) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=base_url, timeout=60) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
-def oai(base_url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ from tests.http_helpers import (
     MODEL, PROMPTS, Stream, assert_openai_error, check_engine_integrity, greedy, health_of, run_async, until,
     wait_for, wait_until_idle,
 )
-from tests.serve_helpers import running_app
+from tests.serve_helpers import running_app, tiny_app_args
 
 pytestmark = pytest.mark.serve
 
@@ -49,8 +49,8 @@ RECOVERY_TIMEOUT_S = 90
 
 
 def app_args(model_dir: Path, **overrides) -> dict:
-    return {"model": str(model_dir), "served_model_name": MODEL, "dtype": "float32", "engine": ENGINE_ARGS,
-            "tokenizer_num_replicas": 1, "api_keys": [API_KEY], "max_body_bytes": MAX_BODY_BYTES, **overrides}
+    return tiny_app_args(model_dir, **{"engine": ENGINE_ARGS, "tokenizer_num_replicas": 1, "api_keys": [API_KEY],
+                                       "max_body_bytes": MAX_BODY_BYTES, **overrides})
 
 
 @pytest.fixture(scope="module")
@@ -62,9 +62,8 @@ def base_url(tiny_gpt2_dir: Path) -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
-def client(base_url: str) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=base_url, timeout=60, headers=AUTH) as c:
-        yield c
+def http_headers() -> dict[str, str]:
+    return AUTH
 
 
 @pytest.fixture(scope="module")
@@ -73,11 +72,11 @@ def offline(tiny_gpt2_dir: Path) -> LLM:
 
 
 @pytest.fixture(autouse=True)
-def the_serving_engine_is_idle_and_intact_after_each_test(client: httpx.Client) -> Iterator[None]:
+def the_serving_engine_is_idle_and_intact_after_each_test(http: httpx.Client) -> Iterator[None]:
     """After the crash and kill tests the serving engine is the replacement: those tests
     check what happened to the old one themselves."""
     yield
-    health = wait_until_idle(client)
+    health = wait_until_idle(http)
     stats = health["stats"]
     assert (health["num_active_requests"], stats["num_running"], stats["num_waiting"]) == (0, 0, 0), health
     assert stats["num_kv_blocks_used"] == 0, "KV blocks leaked"
@@ -136,8 +135,8 @@ async def fill_the_engine(http: httpx.AsyncClient) -> list[Stream]:
         ("/generate", {"prompt": "hi", "temperature": None}, "temperature"),
     ],
 )
-def test_bad_fields_are_a_400_naming_the_param(client: httpx.Client, path: str, body: dict, param: str) -> None:
-    assert_openai_error(client.post(path, json=body), 400, "invalid_request_error", param)
+def test_bad_fields_are_a_400_naming_the_param(http: httpx.Client, path: str, body: dict, param: str) -> None:
+    assert_openai_error(http.post(path, json=body), 400, "invalid_request_error", param)
 
 
 @pytest.mark.parametrize(
@@ -153,21 +152,21 @@ def test_bad_fields_are_a_400_naming_the_param(client: httpx.Client, path: str, 
         (b"", None),
     ],
 )
-def test_bodies_that_are_not_valid_json_objects_are_a_400(client: httpx.Client, content: bytes,
+def test_bodies_that_are_not_valid_json_objects_are_a_400(http: httpx.Client, content: bytes,
                                                           param: str | None) -> None:
-    response = client.post("/v1/completions", content=content, headers={"content-type": "application/json"})
+    response = http.post("/v1/completions", content=content, headers={"content-type": "application/json"})
     assert_openai_error(response, 400, "invalid_request_error", param)
 
 
-def test_the_context_holds_exactly_1024_prompt_plus_output_tokens(client: httpx.Client) -> None:
-    fits = client.post("/v1/completions", json=greedy([1] * 1023, max_tokens=1, ignore_eos=True))
+def test_the_context_holds_exactly_1024_prompt_plus_output_tokens(http: httpx.Client) -> None:
+    fits = http.post("/v1/completions", json=greedy([1] * 1023, max_tokens=1, ignore_eos=True))
     assert fits.status_code == 200, fits.text
     assert fits.json()["usage"] == {"prompt_tokens": 1023, "completion_tokens": 1, "total_tokens": 1024}
-    error = assert_openai_error(client.post("/v1/completions", json=greedy([1] * 1024, max_tokens=1)),
+    error = assert_openai_error(http.post("/v1/completions", json=greedy([1] * 1024, max_tokens=1)),
                                 400, "invalid_request_error", "prompt")
     assert error["code"] == "context_length_exceeded"
-    assert client.post("/v1/completions", json=greedy([1] * 1000, max_tokens=24)).status_code == 200
-    error = assert_openai_error(client.post("/v1/completions", json=greedy([1] * 1000, max_tokens=25)),
+    assert http.post("/v1/completions", json=greedy([1] * 1000, max_tokens=24)).status_code == 200
+    error = assert_openai_error(http.post("/v1/completions", json=greedy([1] * 1000, max_tokens=25)),
                                 400, "invalid_request_error", "max_tokens")
     assert error["code"] == "context_length_exceeded"
 
@@ -178,31 +177,31 @@ def padded_body(num_bytes: int) -> bytes:
     return body + b" " * (num_bytes - len(body))
 
 
-def test_a_body_at_the_limit_is_served_and_one_byte_more_is_a_413(client: httpx.Client) -> None:
-    at_limit = client.post("/v1/completions", content=padded_body(MAX_BODY_BYTES))
+def test_a_body_at_the_limit_is_served_and_one_byte_more_is_a_413(http: httpx.Client) -> None:
+    at_limit = http.post("/v1/completions", content=padded_body(MAX_BODY_BYTES))
     assert at_limit.status_code == 200, at_limit.text
-    over = client.post("/v1/completions", content=padded_body(MAX_BODY_BYTES + 1))
+    over = http.post("/v1/completions", content=padded_body(MAX_BODY_BYTES + 1))
     assert assert_openai_error(over, 413, "invalid_request_error")["code"] == "request_too_large"
 
 
-def test_a_chunked_body_without_content_length_is_counted_and_cut_at_the_limit(client: httpx.Client) -> None:
+def test_a_chunked_body_without_content_length_is_counted_and_cut_at_the_limit(http: httpx.Client) -> None:
     def chunks() -> Iterator[bytes]:
         body = padded_body(MAX_BODY_BYTES * 4)
         yield from (body[i : i + 4096] for i in range(0, len(body), 4096))
 
-    response = client.post("/v1/completions", content=chunks())  # an iterator: Transfer-Encoding: chunked
+    response = http.post("/v1/completions", content=chunks())  # an iterator: Transfer-Encoding: chunked
     assert "content-length" not in response.request.headers
     assert assert_openai_error(response, 413, "invalid_request_error")["code"] == "request_too_large"
 
 
-def test_an_oversized_body_is_a_413_before_it_is_parsed(client: httpx.Client) -> None:
+def test_an_oversized_body_is_a_413_before_it_is_parsed(http: httpx.Client) -> None:
     garbage = b"{" * (MAX_BODY_BYTES + 1)  # would be a 400 if it were parsed
-    assert client.post("/generate", content=garbage).status_code == 413
+    assert http.post("/generate", content=garbage).status_code == 413
 
 
-def test_unknown_routes_answer_in_the_openai_error_shape(client: httpx.Client) -> None:
-    assert_openai_error(client.get("/v1/engines"), 404, "invalid_request_error")
-    assert_openai_error(client.get("/v1/completions"), 405, "invalid_request_error")
+def test_unknown_routes_answer_in_the_openai_error_shape(http: httpx.Client) -> None:
+    assert_openai_error(http.get("/v1/engines"), 404, "invalid_request_error")
+    assert_openai_error(http.get("/v1/completions"), 405, "invalid_request_error")
 
 
 # ---- API keys ----
@@ -225,9 +224,9 @@ def test_every_api_route_without_a_valid_key_is_a_401(base_url: str, method: str
 
 
 @pytest.mark.parametrize(("method", "path", "body"), API_ROUTES)
-def test_every_api_route_serves_a_valid_key(client: httpx.Client, method: str, path: str,
+def test_every_api_route_serves_a_valid_key(http: httpx.Client, method: str, path: str,
                                             body: dict | None) -> None:
-    assert client.request(method, path, json=body).status_code == 200
+    assert http.request(method, path, json=body).status_code == 200
 
 
 def test_health_needs_no_key(base_url: str) -> None:
@@ -313,8 +312,8 @@ def test_a_client_that_leaves_while_queued_is_aborted_and_the_others_are_unaffec
 
 
 def test_a_client_that_leaves_mid_stream_is_aborted_and_the_others_are_unaffected(
-        base_url: str, offline: LLM, client: httpx.Client) -> None:
-    before = health_of(client)[1]["stats"]["num_generated_tokens"]
+        base_url: str, offline: LLM, http: httpx.Client) -> None:
+    before = health_of(http)[1]["stats"]["num_generated_tokens"]
 
     async def scenario(http: httpx.AsyncClient):
         running, leaver = Stream(http, long_stream(PROMPTS[0], max_tokens=300)), Stream(http, long_stream(PROMPTS[2]))
@@ -328,11 +327,11 @@ def test_a_client_that_leaves_mid_stream_is_aborted_and_the_others_are_unaffecte
     others = run(scenario, base_url)
     expected = offline.generate(PROMPTS[:2], SamplingParams(max_tokens=300, temperature=0, ignore_eos=True))
     assert [s.text for s in others] == [e.text for e in expected]
-    assert wait_until_idle(client)["stats"]["num_generated_tokens"] - before < 600 + LONG  # the leaver was cut
+    assert wait_until_idle(http)["stats"]["num_generated_tokens"] - before < 600 + LONG  # the leaver was cut
 
 
-def test_a_non_streaming_client_that_leaves_is_aborted(base_url: str, client: httpx.Client) -> None:
-    before = health_of(client)[1]["stats"]["num_generated_tokens"]
+def test_a_non_streaming_client_that_leaves_is_aborted(base_url: str, http: httpx.Client) -> None:
+    before = health_of(http)[1]["stats"]["num_generated_tokens"]
 
     async def scenario(http: httpx.AsyncClient):
         request = asyncio.create_task(http.post("/v1/completions", json=greedy(PROMPTS[0], max_tokens=LONG,
@@ -365,11 +364,11 @@ def kill_the_replica(deployment: str) -> str:
     return name
 
 
-def wait_until_served(client: httpx.Client) -> list[int]:
+def wait_until_served(http: httpx.Client) -> list[int]:
     """Send requests until one succeeds; the statuses of those that failed meanwhile."""
     failures, deadline = [], time.monotonic() + RECOVERY_TIMEOUT_S
     while True:
-        response = client.post("/v1/completions", json=greedy(PROMPTS[0], max_tokens=4))
+        response = http.post("/v1/completions", json=greedy(PROMPTS[0], max_tokens=4))
         if response.status_code == 200:
             return failures
         assert time.monotonic() < deadline, f"not served again after {RECOVERY_TIMEOUT_S}s: {response.text}"
@@ -381,7 +380,7 @@ def wait_until_served(client: httpx.Client) -> list[int]:
 
 
 def test_an_engine_crash_ends_live_streams_with_an_error_event_and_serve_replaces_the_engine(
-        base_url: str, client: httpx.Client) -> None:
+        base_url: str, http: httpx.Client) -> None:
     [old_name] = replica_names("EngineDeployment")
 
     async def scenario(http: httpx.AsyncClient):
@@ -394,7 +393,7 @@ def test_an_engine_crash_ends_live_streams_with_an_error_event_and_serve_replace
         assert stream.status == 200 and stream.payloads[-1] == "[DONE]"
         assert stream.error["type"] == "server_error"
         assert "error" in json.loads(stream.payloads[-2])  # the error event comes last, then [DONE]
-    assert set(wait_until_served(client)) <= {503}
+    assert set(wait_until_served(http)) <= {503}
     wait_for(lambda: replica_names("EngineDeployment") not in ([], [old_name]), RECOVERY_TIMEOUT_S, 0.5)
 
 
@@ -417,15 +416,15 @@ def test_a_dead_engine_makes_health_and_requests_a_503_with_retry_after(tiny_gpt
         serve.delete("dead")
 
 
-def test_a_killed_engine_replica_is_replaced_and_service_resumes(client: httpx.Client) -> None:
+def test_a_killed_engine_replica_is_replaced_and_service_resumes(http: httpx.Client) -> None:
     killed = kill_the_replica("EngineDeployment")
-    assert set(wait_until_served(client)) <= {503}
+    assert set(wait_until_served(http)) <= {503}
     assert killed not in replica_names("EngineDeployment")
 
 
-def test_a_killed_tokenizer_replica_is_replaced_and_service_resumes(client: httpx.Client) -> None:
+def test_a_killed_tokenizer_replica_is_replaced_and_service_resumes(http: httpx.Client) -> None:
     killed = kill_the_replica("TokenizerDeployment")
-    assert set(wait_until_served(client)) <= {503}
+    assert set(wait_until_served(http)) <= {503}
     assert killed not in replica_names("TokenizerDeployment")
 
 
@@ -455,17 +454,17 @@ def test_deleting_an_app_lets_its_live_streams_finish(tiny_gpt2_dir: Path, base_
 # ---- logs ----
 
 
-def test_prompts_and_keys_never_reach_the_logs(base_url: str, client: httpx.Client) -> None:
+def test_prompts_and_keys_never_reach_the_logs(base_url: str, http: httpx.Client) -> None:
     secret = f"secret-prompt-{uuid.uuid4().hex}"
-    client.post("/v1/completions", json=greedy(secret, max_tokens=2))
-    client.post("/v1/completions", json=greedy(secret, temperature=-1))
-    client.post("/v1/completions", json=greedy(secret, max_tokens=5000))
-    client.post("/v1/chat/completions", json={"messages": [{"role": secret, "content": secret}]})
-    client.post("/v1/completions", content=b'{"prompt": "' + secret.encode() + b'", ')
+    http.post("/v1/completions", json=greedy(secret, max_tokens=2))
+    http.post("/v1/completions", json=greedy(secret, temperature=-1))
+    http.post("/v1/completions", json=greedy(secret, max_tokens=5000))
+    http.post("/v1/chat/completions", json={"messages": [{"role": secret, "content": secret}]})
+    http.post("/v1/completions", content=b'{"prompt": "' + secret.encode() + b'", ')
     httpx.post(f"{base_url}/v1/completions", json=greedy(secret), headers={"Authorization": f"Bearer {secret}"})
-    with client.stream("POST", "/v1/completions", json=long_stream(secret)) as response:
+    with http.stream("POST", "/v1/completions", json=long_stream(secret)) as response:
         next(response.iter_lines())
-    wait_until_idle(client)
+    wait_until_idle(http)
     time.sleep(1)  # log handlers flush
     logs_dir = Path(ray._private.worker._global_node.get_session_dir_path()) / "logs"
     files = [f for f in logs_dir.rglob("*") if f.is_file()]

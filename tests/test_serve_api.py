@@ -24,7 +24,7 @@ from loadtest.handle_target import HandleTarget, run_over_handle
 from tests.http_helpers import (
     PROMPTS, check_engine_integrity, engine_health, greedy, sse_payloads, wait_until_idle,
 )
-from tests.serve_helpers import running_app
+from tests.serve_helpers import running_app, tiny_app_args
 
 pytestmark = pytest.mark.serve
 
@@ -36,26 +36,14 @@ ENGINE_ARGS = {"num_kv_blocks": 48, "max_num_seqs": 32, "max_num_batched_tokens"
 
 @pytest.fixture(scope="module")
 def base_url(tiny_gpt2_dir: Path) -> Iterator[str]:
-    app = build_app({"model": str(tiny_gpt2_dir), "served_model_name": "tiny", "dtype": "float32",
-                     "engine": ENGINE_ARGS, "tokenizer_num_replicas": 2})
+    app = build_app(tiny_app_args(tiny_gpt2_dir, engine=ENGINE_ARGS, tokenizer_num_replicas=2))
     with running_app(app, APP) as url:
         yield url
 
 
-@pytest.fixture(scope="module")
-def client(base_url: str) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=base_url, timeout=60) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def oai(base_url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
-
-
-def test_sse_stream_sends_token_chunks_then_usage_then_done(client: httpx.Client) -> None:
+def test_sse_stream_sends_token_chunks_then_usage_then_done(http: httpx.Client) -> None:
     body = greedy(PROMPTS[0], max_tokens=8, ignore_eos=True, stream=True, stream_options={"include_usage": True})
-    with client.stream("POST", "/v1/completions", json=body) as response:
+    with http.stream("POST", "/v1/completions", json=body) as response:
         assert response.status_code == 200
         payloads = sse_payloads(response)
     assert payloads[-1] == "[DONE]"
@@ -108,30 +96,30 @@ def test_openai_client_chat_stream_with_usage(oai: openai.OpenAI) -> None:
     assert text == non_stream.choices[0].message.content
 
 
-def test_chat_template_is_role_lines_ending_with_assistant(client: httpx.Client) -> None:
+def test_chat_template_is_role_lines_ending_with_assistant(http: httpx.Client) -> None:
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
-    chat = client.post("/v1/chat/completions", json={"model": "tiny", "messages": messages, "max_tokens": 4,
+    chat = http.post("/v1/chat/completions", json={"model": "tiny", "messages": messages, "max_tokens": 4,
                                                      "temperature": 0}).json()
-    completion = client.post("/v1/completions", json=greedy("system: Be brief.\nuser: Hi there\nassistant:",
+    completion = http.post("/v1/completions", json=greedy("system: Be brief.\nuser: Hi there\nassistant:",
                                                             max_tokens=4)).json()
     assert chat["usage"]["prompt_tokens"] == completion["usage"]["prompt_tokens"]
     assert chat["choices"][0]["message"]["content"] == completion["choices"][0]["text"]
 
 
-def test_greedy_text_matches_the_offline_llm_on_the_same_weights(client: httpx.Client, tiny_gpt2_dir: Path) -> None:
+def test_greedy_text_matches_the_offline_llm_on_the_same_weights(http: httpx.Client, tiny_gpt2_dir: Path) -> None:
     llm = LLM(str(tiny_gpt2_dir), dtype="float32", **ENGINE_ARGS)
     expected = llm.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0))
     for prompt, offline in zip(PROMPTS, expected):
-        served = client.post("/v1/completions", json=greedy(prompt, max_tokens=24)).json()
+        served = http.post("/v1/completions", json=greedy(prompt, max_tokens=24)).json()
         assert served["choices"][0]["text"] == offline.text
         assert served["choices"][0]["finish_reason"] == offline.finish_reason
         assert served["usage"]["completion_tokens"] == len(offline.token_ids)
 
 
-def test_token_id_prompts_generate_like_their_text(client: httpx.Client, gpt2_tokenizer) -> None:
+def test_token_id_prompts_generate_like_their_text(http: httpx.Client, gpt2_tokenizer) -> None:
     ids = gpt2_tokenizer.encode(PROMPTS[2])
-    by_ids = client.post("/v1/completions", json=greedy(ids)).json()
-    by_text = client.post("/v1/completions", json=greedy(PROMPTS[2])).json()
+    by_ids = http.post("/v1/completions", json=greedy(ids)).json()
+    by_text = http.post("/v1/completions", json=greedy(PROMPTS[2])).json()
     assert by_ids["choices"][0]["text"] == by_text["choices"][0]["text"]
 
 
@@ -160,8 +148,8 @@ def test_the_tokenizer_deployment_serves_from_two_replicas(gpt2_tokenizer) -> No
     assert results == [Encoded(gpt2_tokenizer.encode(f"prompt {i}"), 4) for i in range(64)]
 
 
-def test_openapi_documents_every_post_body_with_nested_models_inlined(client: httpx.Client) -> None:
-    paths = client.get("/openapi.json").json()["paths"]
+def test_openapi_documents_every_post_body_with_nested_models_inlined(http: httpx.Client) -> None:
+    paths = http.get("/openapi.json").json()["paths"]
 
     def body(path: str) -> dict:
         post = paths[path]["post"]
@@ -173,7 +161,7 @@ def test_openapi_documents_every_post_body_with_nested_models_inlined(client: ht
     assert {"role", "content"} <= set(messages["items"]["properties"])  # inlined, not a dangling $ref
     assert {"prompt", "max_new_tokens"} <= set(body("/generate")["properties"])
     assert "$ref" not in json.dumps([body(p) for p in ("/v1/completions", "/v1/chat/completions", "/generate")])
-    assert client.get("/docs").status_code == 200
+    assert http.get("/docs").status_code == 200
 
 
 def test_the_ingress_handles_stream_engine_chunks_over_grpc(base_url: str, tiny_gpt2_dir: Path) -> None:
@@ -188,7 +176,7 @@ def test_the_ingress_handles_stream_engine_chunks_over_grpc(base_url: str, tiny_
     assert chunks[-1].finish_reason == "length"
 
 
-def test_the_benchmark_drives_the_engine_deployment_over_a_serve_handle(client: httpx.Client) -> None:
+def test_the_benchmark_drives_the_engine_deployment_over_a_serve_handle(http: httpx.Client) -> None:
     workload = Workload(num_requests=4, prompt_tokens=8, max_tokens=5, temperature=0.0, concurrency=2, warmup=1)
     result = run_over_handle(HandleTarget(APP), workload)
     assert (result.successes, result.failures) == (4, 0), result.errors
@@ -196,7 +184,7 @@ def test_the_benchmark_drives_the_engine_deployment_over_a_serve_handle(client: 
     assert result.url == f"serve handle {APP}/EngineDeployment"
     assert result.ttft_ms.p50 > 0 and result.tpot_ms.p50 > 0
     assert ray.is_initialized()  # this test's own driver connection is left alone
-    health = wait_until_idle(client)
+    health = wait_until_idle(http)
     assert health["num_active_requests"] == 0 and health["stats"]["num_kv_blocks_used"] == 0
 
 
@@ -209,32 +197,32 @@ def test_over_grpc_keeps_the_handle_on_a_ray_without_the_option() -> None:
     assert over_grpc(handle) is handle
 
 
-def test_a_client_disconnect_mid_stream_aborts_the_request_in_the_engine(client: httpx.Client) -> None:
-    before = wait_until_idle(client)["stats"]["num_generated_tokens"]
+def test_a_client_disconnect_mid_stream_aborts_the_request_in_the_engine(http: httpx.Client) -> None:
+    before = wait_until_idle(http)["stats"]["num_generated_tokens"]
     body = greedy(PROMPTS[0], max_tokens=700, ignore_eos=True, stream=True)
-    with client.stream("POST", "/v1/completions", json=body) as response:
+    with http.stream("POST", "/v1/completions", json=body) as response:
         lines = response.iter_lines()
         assert next(lines).startswith("data: ")
-        assert engine_health(client)["num_active_requests"] == 1
+        assert engine_health(http)["num_active_requests"] == 1
     # Closing the response closed the connection mid-stream.
-    health = wait_until_idle(client)
+    health = wait_until_idle(http)
     assert health["num_active_requests"] == 0
     assert health["stats"]["num_kv_blocks_used"] == 0
     assert health["stats"]["num_generated_tokens"] - before < 700  # aborted, not run to the end
     check_engine_integrity(APP)
 
 
-def test_a_stop_string_ends_the_stream_with_stop_and_aborts_the_engine_request(client: httpx.Client) -> None:
-    full = client.post("/v1/completions", json=greedy(PROMPTS[0], max_tokens=40, ignore_eos=True)).json()
+def test_a_stop_string_ends_the_stream_with_stop_and_aborts_the_engine_request(http: httpx.Client) -> None:
+    full = http.post("/v1/completions", json=greedy(PROMPTS[0], max_tokens=40, ignore_eos=True)).json()
     text = full["choices"][0]["text"]
     stop = text[len(text) // 3 : len(text) // 3 + 3]
-    before = wait_until_idle(client)["stats"]["num_generated_tokens"]
+    before = wait_until_idle(http)["stats"]["num_generated_tokens"]
     body = greedy(PROMPTS[0], max_tokens=700, ignore_eos=True, stop=[stop], stream=True)
-    with client.stream("POST", "/v1/completions", json=body) as response:
+    with http.stream("POST", "/v1/completions", json=body) as response:
         chunks = [json.loads(p) for p in sse_payloads(response)[:-1]]
     assert "".join(c["choices"][0]["text"] for c in chunks) == text[: text.index(stop)]
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
-    health = wait_until_idle(client)
+    health = wait_until_idle(http)
     assert health["num_active_requests"] == 0 and health["stats"]["num_kv_blocks_used"] == 0
     assert health["stats"]["num_generated_tokens"] - before < 700
     check_engine_integrity(APP)
@@ -254,9 +242,9 @@ def test_a_stop_string_ends_the_stream_with_stop_and_aborts_the_engine_request(c
         ("/generate", {"prompt": "hi", "max_new_tokens": 0}, "max_new_tokens"),
     ],
 )
-def test_bad_input_is_a_400_openai_error_naming_the_param(client: httpx.Client, path: str, body: dict,
+def test_bad_input_is_a_400_openai_error_naming_the_param(http: httpx.Client, path: str, body: dict,
                                                           param: str) -> None:
-    response = client.post(path, json=body)
+    response = http.post(path, json=body)
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
@@ -264,33 +252,33 @@ def test_bad_input_is_a_400_openai_error_naming_the_param(client: httpx.Client, 
     assert error["message"]
 
 
-def test_malformed_json_is_a_400_not_a_422(client: httpx.Client) -> None:
-    response = client.post("/v1/completions", content=b'{"prompt": "hi",', headers={"content-type": "application/json"})
+def test_malformed_json_is_a_400_not_a_422(http: httpx.Client) -> None:
+    response = http.post("/v1/completions", content=b'{"prompt": "hi",', headers={"content-type": "application/json"})
     assert response.status_code == 400
     assert response.json()["error"]["type"] == "invalid_request_error"
 
 
-def test_a_request_the_engine_rejects_before_any_token_is_a_400(client: httpx.Client) -> None:
+def test_a_request_the_engine_rejects_before_any_token_is_a_400(http: httpx.Client) -> None:
     # Fits the 1024-token context but not the 48-block (768-token) KV cache.
-    response = client.post("/v1/completions", json=greedy(PROMPTS[0], max_tokens=900, stream=True))
+    response = http.post("/v1/completions", json=greedy(PROMPTS[0], max_tokens=900, stream=True))
     assert response.status_code == 400, response.text
     message = response.json()["error"]["message"]
     assert "KV blocks" in message and "\n" not in message  # the engine's reason, not a traceback
 
 
-def test_generate_streams_plain_text(client: httpx.Client) -> None:
+def test_generate_streams_plain_text(http: httpx.Client) -> None:
     body = {"prompt": PROMPTS[1], "max_new_tokens": 10, "stream": True, "temperature": 0, "stop_on_eos": False}
-    with client.stream("POST", "/generate", content=json.dumps(body)) as response:  # no content type, like curl -d
+    with http.stream("POST", "/generate", content=json.dumps(body)) as response:  # no content type, like curl -d
         assert response.status_code == 200
         assert response.headers["content-type"].startswith("text/plain")
         pieces = list(response.iter_text())
-    expected = client.post("/v1/completions", json=greedy(PROMPTS[1], max_tokens=10, ignore_eos=True)).json()
+    expected = http.post("/v1/completions", json=greedy(PROMPTS[1], max_tokens=10, ignore_eos=True)).json()
     assert "".join(pieces) == expected["choices"][0]["text"]
     assert "ttft;dur=" in response.headers["server-timing"]
 
 
-def test_the_final_chunk_carries_the_server_timing_breakdown(client: httpx.Client) -> None:
-    with client.stream("POST", "/v1/completions", json=greedy(PROMPTS[0], max_tokens=4, stream=True)) as response:
+def test_the_final_chunk_carries_the_server_timing_breakdown(http: httpx.Client) -> None:
+    with http.stream("POST", "/v1/completions", json=greedy(PROMPTS[0], max_tokens=4, stream=True)) as response:
         chunks = [json.loads(p) for p in sse_payloads(response)[:-1]]
     assert all("server_timing" not in c for c in chunks[:-1])
     timing = chunks[-1]["server_timing"]
@@ -299,27 +287,27 @@ def test_the_final_chunk_carries_the_server_timing_breakdown(client: httpx.Clien
     # The engine's share and the tokenizer's lie within the ingress-measured TTFT.
     assert timing["ttft_ms"] >= timing["tokenize_ms"]
     assert timing["ttft_ms"] >= timing["queue_wait_ms"] + timing["prefill_ms"]
-    body = client.post("/v1/completions", json=greedy(PROMPTS[0], max_tokens=4)).json()
+    body = http.post("/v1/completions", json=greedy(PROMPTS[0], max_tokens=4)).json()
     assert set(body["server_timing"]) == set(timing)
 
 
-def test_n_choices_run_as_separate_engine_requests(client: httpx.Client) -> None:
-    before = wait_until_idle(client)["stats"]
-    body = client.post("/v1/completions", json={"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 8, "n": 2,
+def test_n_choices_run_as_separate_engine_requests(http: httpx.Client) -> None:
+    before = wait_until_idle(http)["stats"]
+    body = http.post("/v1/completions", json={"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 8, "n": 2,
                                                  "seed": 1, "ignore_eos": True}).json()
     assert [c["index"] for c in body["choices"]] == [0, 1]
     assert body["usage"]["completion_tokens"] == 16
-    after = wait_until_idle(client)["stats"]
+    after = wait_until_idle(http)["stats"]
     # The engine counts a request's prompt once, at its first token: two requests, twice.
     assert after["num_prompt_tokens"] - before["num_prompt_tokens"] == 2 * body["usage"]["prompt_tokens"]
     assert after["num_generated_tokens"] - before["num_generated_tokens"] == 16
 
 
-def test_models_and_health_report_the_engine(client: httpx.Client, tiny_gpt2_dir: Path) -> None:
-    card = client.get("/v1/models").json()["data"][0]
+def test_models_and_health_report_the_engine(http: httpx.Client, tiny_gpt2_dir: Path) -> None:
+    card = http.get("/v1/models").json()["data"][0]
     assert (card["id"], card["root"], card["weights"]) == ("tiny", str(tiny_gpt2_dir), "pretrained")
     assert card["max_model_len"] == 1024
-    health = engine_health(client)
+    health = engine_health(http)
     assert health["status"] == "ok"
     assert health["stats"]["num_kv_blocks_total"] == ENGINE_ARGS["num_kv_blocks"]
 

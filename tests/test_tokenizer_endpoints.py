@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from deployments.app import build_app
-from tests.serve_helpers import running_app
+from tests.serve_helpers import running_app, tiny_app_args
 
 pytestmark = pytest.mark.serve
 
@@ -22,16 +22,15 @@ MAX_MODEL_LEN = 1024
 
 @pytest.fixture(scope="module")
 def base_url(tiny_gpt2_dir: Path) -> Iterator[str]:
-    app = build_app({"model": str(tiny_gpt2_dir), "served_model_name": "tiny", "dtype": "float32",
-                     "engine": {"num_kv_blocks": 32}, "api_keys": [API_KEY]})
+    app = build_app(tiny_app_args(tiny_gpt2_dir, engine={"num_kv_blocks": 32}, api_keys=[API_KEY]))
     with running_app(app, _system_config={"metrics_report_interval_ms": 500}) as url:
         yield url
 
 
 @pytest.fixture(scope="module")
-def http(base_url: str) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=base_url, timeout=60, headers={"Authorization": f"Bearer {API_KEY}"}) as client:
-        yield client
+def http_headers() -> dict[str, str]:
+    return {"Authorization": f"Bearer {API_KEY}"}
+
 
 
 def test_tokenize_a_prompt_in_vllms_shape(http: httpx.Client, gpt2_tokenizer) -> None:
