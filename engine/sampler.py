@@ -4,11 +4,12 @@ Logit controls (logit_bias, min_tokens, penalties: engine/logits_controls.py) ch
 rows that use them first. Greedy rows then take the argmax. Other rows are scaled by
 temperature, filtered by min_p (tokens less likely than min_p x the row's most likely one),
 then by top-k and top-p (only when some row asks for it, over its 1024 most likely tokens
-where they hold the mass asked for), and sampled by inverting their CDF: one uniform draw per row, found
-in the row's cumulative sum. That is one random number per row where an exponential race
-(or torch.multinomial) draws one per vocabulary entry: on CPU, 0.6 ms instead of 24 ms
-for 32 rows of GPT-2's 50257. Seeded rows draw their uniform from their own generator, so
-a seeded request gets the same tokens whatever else is in the batch.
+where they hold the mass asked for), and sampled by inverting their CDF: one uniform draw
+per row, found in the row's cumulative sum. That is one random number per row where an
+exponential race (or torch.multinomial) draws one per vocabulary entry, which once took
+half the engine's step time on CPU (BENCHMARKS.md, issue 3's section). Seeded rows draw
+their uniform from their own generator, so a seeded request gets the same tokens whatever
+else is in the batch.
 """
 
 from __future__ import annotations
@@ -98,9 +99,10 @@ def _sample_inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Te
 
 
 # Top-p and top-k keep the few most likely tokens. Ranking only this many (torch.topk) rather
-# than sorting all 50257 makes them cheap for a peaked distribution (32 rows, nucleus ~500
-# tokens, 2 CPU cores: 70 -> 9 ms); a row whose top_p reaches past these candidates' mass
-# (a flat distribution: random weights) falls back to the full sort, ~15 ms dearer.
+# than sorting all 50257 makes them cheap for a peaked distribution (a trained model's); a
+# row whose top_p reaches past these candidates' mass (a flat distribution: random weights)
+# falls back to the full sort and pays for the topk too. Timings: BENCHMARKS.md, "Top-p over
+# candidates".
 _NUM_CANDIDATES = 1024
 
 
