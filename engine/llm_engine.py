@@ -135,8 +135,8 @@ class LLMEngine:
 
     def _output(self, seq: Sequence, token: int | None, logprob: TokenLogprob | None, is_first: bool) -> StepOutput:
         prompt_logprobs = tuple(seq.prompt_logprobs) if is_first and seq.prompt_logprobs is not None else None
-        return StepOutput(seq.request_id, token, seq.finish_reason, seq.num_prompt_tokens, seq.num_cached_tokens,
-                          seq.timings, logprob, seq.cumulative_logprob, prompt_logprobs)
+        return StepOutput(seq.request_id, token, seq.finish_reason, seq.num_prompt_tokens, seq.timings, logprob,
+                          seq.cumulative_logprob, prompt_logprobs)
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         if token in seq.stop_token_ids:

@@ -34,7 +34,6 @@ class StepOutput:
     token_id: int | None
     finish_reason: str | None  # "stop" | "length" | "abort" | None while running
     num_prompt_tokens: int
-    num_cached_tokens: int
     timings: RequestTimings
     logprob: TokenLogprob | None = None  # of token_id, where params.logprobs is set
     cumulative_logprob: float | None = None  # of the output so far, where params.logprobs is set

@@ -84,8 +84,6 @@ class Scheduler:
     def _admit(self, seq: Sequence, batch: ScheduledBatch, budget: int) -> bool:
         first_time = seq.timings.first_scheduled is None
         seq.num_computed_tokens = self.block_manager.allocate_cached_prefix(seq)
-        if first_time:
-            seq.num_cached_tokens = seq.num_computed_tokens
         num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
         needed = self.block_manager.num_new_blocks_needed(seq, seq.num_computed_tokens + num_new)
         if not self.block_manager.can_allocate(needed):

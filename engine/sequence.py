@@ -55,7 +55,6 @@ class Sequence:
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # chained hashes of the full, computed blocks
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
-        self.num_cached_tokens = 0  # of the prompt, served from the prefix cache
         self.finish_reason: str | None = None
         self.timings = RequestTimings(arrival=time.monotonic())
         self.generator: torch.Generator | None = None  # per-request RNG when seeded
