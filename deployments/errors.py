@@ -25,7 +25,7 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
 from deployments.encoding import EncodeError
 from engine import EngineDeadError, EngineOverloadedError
-from engine.request_rules import InvalidRequestError
+from engine.invalid_request import InvalidRequestError
 
 logger = logging.getLogger("ray.serve")
 

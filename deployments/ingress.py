@@ -13,7 +13,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from deployments.errors import ApiError, invalid_body
+from deployments.errors import ApiError, as_api_error, invalid_body
 from deployments.handles import over_grpc
 from deployments.http_body import DEFAULT_MAX_BODY_BYTES, documented_body
 from deployments.logs import route_logs_to_serve
@@ -24,6 +24,7 @@ from deployments.security import ApiKeys
 from deployments.serving import Serving
 from engine import ModelInfo
 from engine.detokenizer import TokenVocab
+from engine.invalid_request import InvalidRequestError
 from engine.loader import load_tokenizer
 
 api = FastAPI(title="rayinfer", description="OpenAI-compatible completions for GPT-2-family models")
@@ -33,6 +34,11 @@ api.add_middleware(RequestCounterMiddleware)
 @api.exception_handler(ApiError)
 async def api_error(request: Request, exc: ApiError) -> JSONResponse:
     return JSONResponse(exc.body, status_code=exc.status, headers=exc.headers)
+
+
+@api.exception_handler(InvalidRequestError)  # an engine rule, checked in this process (e.g. SamplingParams)
+async def invalid_request(request: Request, exc: InvalidRequestError) -> JSONResponse:
+    return await api_error(request, as_api_error(exc))
 
 
 @api.exception_handler(RequestValidationError)

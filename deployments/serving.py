@@ -34,7 +34,7 @@ from deployments.sse import sse_events
 from deployments.streams import merge, prepend
 from engine import ModelInfo
 from engine.detokenizer import TokenVocab
-from engine.request_rules import InvalidRequestError, check_token_ids
+from engine.request_rules import check_token_ids
 
 HEALTH_TIMEOUT_S = 5.0
 
@@ -112,10 +112,7 @@ class Serving:
 
     async def detokenize(self, request: Request) -> dict:
         body = await self.read(request, DetokenizeBody)
-        try:
-            check_token_ids(body.tokens, self.info.vocab_size, "tokens")
-        except InvalidRequestError as exc:
-            raise as_api_error(exc) from None
+        check_token_ids(body.tokens, self.info.vocab_size, "tokens")
         return {"prompt": await self.tokenizer.detokenize.remote(body.tokens)}
 
     async def tokenizer_info(self, request: Request) -> dict:

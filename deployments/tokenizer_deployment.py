@@ -17,7 +17,8 @@ from deployments.encoding import EncodeError, EncodeRequest, Encoded
 from deployments.logs import route_logs_to_serve
 from deployments.metrics import TokenizerMetrics
 from engine.loader import load_tokenizer
-from engine.request_rules import InvalidRequestError, check_context, check_prompt
+from engine.invalid_request import InvalidRequestError
+from engine.request_rules import check_context, check_prompt
 
 
 _PATHS = {"vocab_file", "merges_file", "tokenizer_file", "name_or_path"}

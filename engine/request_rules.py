@@ -2,25 +2,17 @@
 
 The engine checks them when a request is added; the tokenizer deployment checks the
 prompt rules before a request reaches the engine, so a bad prompt is a 400 naming its
-field. A broken rule raises InvalidRequestError (a ValueError) carrying that field.
+field. A broken rule raises InvalidRequestError (engine/invalid_request.py) naming the field.
 """
 
 from __future__ import annotations
 
 from collections.abc import Container, Iterable, Sequence
 
+from engine.invalid_request import InvalidRequestError
 from engine.sampling_params import SamplingParams
 
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
-
-
-class InvalidRequestError(ValueError):
-    def __init__(self, message: str, param: str = "prompt", code: str | None = None):
-        super().__init__(message)
-        self.param, self.code = param, code
-
-    def __reduce__(self):  # keep param and code across Ray's pickling
-        return (type(self), (str(self), self.param, self.code))
 
 
 def check_request_id_free(request_id: str, in_use: Container[str]) -> None:

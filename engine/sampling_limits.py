@@ -11,6 +11,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from engine.invalid_request import InvalidRequestError
+
 MAX_STOP_STRINGS = 16
 MAX_LOGPROBS = 20  # top alternatives per position, as vLLM's default max_logprobs
 
@@ -36,7 +38,7 @@ class Bound:
 
     def check(self, name: str, value: object) -> None:
         if not self.contains(value):
-            raise ValueError(f"{name} must be {self.describe()}, got {value!r}")
+            raise InvalidRequestError(f"{name} must be {self.describe()}, got {value!r}", name)
 
     def describe(self) -> str:
         kind = "an integer" if self.is_integer else "a finite number" if self.is_finite else "a number"

@@ -12,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 from functools import cached_property
 
+from engine.invalid_request import InvalidRequestError
 from engine.sampling_limits import (
     LOGIT_BIAS, LOGPROBS, MAX_STOP_STRINGS, MAX_TOKENS, MIN_P, MIN_TOKENS, NUM_SEQUENCES, PENALTY,
     REPETITION_PENALTY, SEED, TEMPERATURE, TOKEN_ID, TOP_K, TOP_P,
@@ -65,34 +66,35 @@ class SamplingParams:
     def _validate(self) -> None:
         MAX_TOKENS.check("max_tokens", self.max_tokens)
         if self.max_tokens == 0 and self.prompt_logprobs is None:
-            raise ValueError("max_tokens must be an integer >= 1 (0 only with prompt_logprobs, to score the prompt)")
+            raise _invalid("max_tokens", "must be an integer >= 1 (0 only with prompt_logprobs, to score the prompt)")
         for name, bound in (("temperature", TEMPERATURE), ("top_p", TOP_P), ("top_k", TOP_K), ("min_p", MIN_P)):
             bound.check(name, getattr(self, name))
         if self.seed is not None:
             SEED.check("seed", self.seed)
         if len(self.stop) > MAX_STOP_STRINGS:
-            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are supported, got {len(self.stop)}")
+            raise _invalid("stop", f"holds at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
         if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty strings")
+            raise _invalid("stop", "strings must be non-empty strings")
         if not all(TOKEN_ID.contains(t) for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids: each must be {TOKEN_ID.describe()}, got {list(self.stop_token_ids)}")
+            raise _invalid("stop_token_ids", f"must each be {TOKEN_ID.describe()}, got {list(self.stop_token_ids)}")
 
     def _validate_controls(self) -> None:
         if not MIN_TOKENS.contains(self.min_tokens) or self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
+            raise _invalid("min_tokens", f"must be an integer in [0, max_tokens={self.max_tokens}], "
+                                         f"got {self.min_tokens!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             PENALTY.check(name, getattr(self, name))
         REPETITION_PENALTY.check("repetition_penalty", self.repetition_penalty)
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
-                raise ValueError(f"logit_bias must map token ids to numbers, got {type(self.logit_bias).__name__}")
+                raise _invalid("logit_bias", f"must map token ids to numbers, got {type(self.logit_bias).__name__}")
             if not all(TOKEN_ID.contains(t) for t in self.logit_bias):
-                raise ValueError(f"logit_bias keys must be token ids, each {TOKEN_ID.describe()}")
+                raise _invalid("logit_bias", f"keys must be token ids, each {TOKEN_ID.describe()}")
             if not all(LOGIT_BIAS.contains(b) for b in self.logit_bias.values()):
-                raise ValueError(f"logit_bias values must each be {LOGIT_BIAS.describe()}")
+                raise _invalid("logit_bias", f"values must each be {LOGIT_BIAS.describe()}")
         NUM_SEQUENCES.check("n", self.n)
         if self.best_of is not None and (not NUM_SEQUENCES.contains(self.best_of) or self.best_of < self.n):
-            raise ValueError(f"best_of must be an integer >= n ({self.n}), got {self.best_of!r}")
+            raise _invalid("best_of", f"must be an integer >= n ({self.n}), got {self.best_of!r}")
 
     def _validate_logprobs(self) -> None:
         for name in ("logprobs", "prompt_logprobs"):
@@ -146,3 +148,6 @@ def select_best(cumulative_logprobs: list[float | None], n: int) -> list[int]:
         raise ValueError("ranking needs every sequence's cumulative_logprob: run fan_out()'s params")
     return sorted(range(len(cumulative_logprobs)), key=lambda i: -cumulative_logprobs[i])[:n]
 
+
+def _invalid(param: str, rule: str) -> InvalidRequestError:
+    return InvalidRequestError(f"{param} {rule}", param)

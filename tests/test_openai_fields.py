@@ -317,6 +317,19 @@ def test_best_of_with_stream_is_a_400(oai: openai.OpenAI) -> None:
     assert refused(lambda: complete(oai, PROMPTS[0], max_tokens=2, n=1, best_of=2, stream=True)).param == "best_of"
 
 
+@pytest.mark.parametrize(("path", "fields", "param"), [
+    ("/v1/completions", {"max_tokens": 4, "min_tokens": 5}, "min_tokens"),
+    ("/v1/chat/completions", {"max_tokens": 4, "min_tokens": 5}, "min_tokens"),
+    ("/v1/completions", {"max_tokens": 2, "n": 2, "seed": 2**63 - 1}, "seed"),  # choice 1's seed passes 64 bits
+])
+def test_rules_across_fields_that_the_engine_checks_are_a_400_naming_the_field(http: httpx.Client, path: str,
+                                                                              fields: dict, param: str) -> None:
+    prompt = {"prompt": "Hi"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "Hi"}]}
+    response = http.post(path, json={"model": "tiny", **prompt, **fields})
+    assert response.status_code == 400, response.text
+    assert (response.json()["error"]["type"], response.json()["error"]["param"]) == ("invalid_request_error", param)
+
+
 # ---- usage ----
 
 
