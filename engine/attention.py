@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.inductor import compile_for
+
 
 @dataclass
 class AttentionGroup:
@@ -95,7 +97,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 @functools.cache
 def compiled_decode_attention():
     """Compiled at the first call (tens of seconds), then reused for every shape (dynamic)."""
-    return torch.compile(decode_attention, dynamic=True)
+    return compile_for(torch.device("cpu"), decode_attention, dynamic=True)
 
 
 def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: AttentionGroup) -> torch.Tensor:

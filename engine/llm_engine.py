@@ -47,7 +47,7 @@ class LLMEngine:
         num_blocks = self._num_kv_blocks(model)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(model, num_blocks, config.block_size, config.seed, _compiled_attention(config))
+        self.runner = ModelRunner(model, num_blocks, config.block_size, config.seed, config.compile_attention)
         self._seqs: dict[str, Sequence] = {}
         self._num_prompt_tokens = 0
         self._num_generated_tokens = 0
@@ -179,15 +179,6 @@ def _default_kv_budget(device: torch.device) -> float:
         free, _ = torch.cuda.mem_get_info(device)
         return free * _GPU_KV_FRACTION
     return _DEFAULT_CPU_KV_GB * 2**30
-
-
-def _compiled_attention(config: EngineConfig) -> bool:
-    """compile_attention where this device runs it right; else the gathering path, said once."""
-    if not config.compile_attention or config.torch_device.type != "cpu" or cpu_features().can_compile_attention:
-        return config.compile_attention
-    logger.warning("compile_attention needs AVX-512 on CPU (this CPU: %s): decodes use the gathering path",
-                   cpu_features().summary())
-    return False
 
 
 def build_model(source: ModelSource, dtype: torch.dtype, device: torch.device, seed: int,
