@@ -25,6 +25,19 @@ def inductor_options(device: torch.device) -> dict[str, object]:
     return {} if bits is None else {"cpp.simdlen": bits}
 
 
-def compile_for(device: torch.device, fn: Callable, **options) -> Callable:
-    """torch.compile(fn) with inductor_options(device) plus `options` (inductor config)."""
-    return torch.compile(fn, dynamic=options.pop("dynamic", None), options=inductor_options(device) | options)
+def compile_for(device: torch.device, fn: Callable, dynamic: bool | None = None, freezing: bool = False) -> Callable:
+    """torch.compile(fn) with inductor_options(device); freezing folds the parameters fn reads
+    into the graph as constants (so inductor prepacks linear weights), which needs grad off.
+
+    freezing is set around each call, not passed in torch.compile's options: inductor reads it
+    before applying those, and a recompile (a new shape) happens inside a later call.
+    """
+    compiled = torch.compile(fn, dynamic=dynamic, options=inductor_options(device))
+    if not freezing:
+        return compiled
+
+    def frozen(*args):
+        with torch._inductor.config.patch(freezing=True):
+            return compiled(*args)
+
+    return frozen

@@ -10,6 +10,7 @@ import torch
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, LinearsMode
 from engine.cpu import cpu_features
+from engine.decode_graph import DecodeGraph
 from engine.heap import limit_onednn_caches
 from engine.loader import ModelSource, load_state_dict, resolve_model
 from engine.logprobs import TokenLogprob
@@ -35,7 +36,8 @@ class LLMEngine:
         if config.torch_device.type == "cpu":
             torch.set_num_threads(config.cpu_threads)
         source = resolve_model(config.model, config.weights)
-        model = build_model(source, config.torch_dtype, config.torch_device, config.seed, config.linears)
+        linears = "reference" if config.compile_decode else config.linears
+        model = build_model(source, config.torch_dtype, config.torch_device, config.seed, linears)
         hf = source.config
         self.max_model_len = min(config.max_model_len or hf.n_positions, hf.n_positions)
         self.eos_token_id = hf.eos_token_id if hf.eos_token_id is not None else hf.vocab_size - 1
@@ -47,7 +49,8 @@ class LLMEngine:
         num_blocks = self._num_kv_blocks(model)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(model, num_blocks, config.block_size, config.seed, config.compile_attention)
+        graph = DecodeGraph(model, config.torch_device) if config.compile_decode else None
+        self.runner = ModelRunner(model, num_blocks, config.block_size, config.seed, config.compile_attention, graph)
         self._seqs: dict[str, Sequence] = {}
         self._num_prompt_tokens = 0
         self._num_generated_tokens = 0
