@@ -43,4 +43,6 @@ def test_compiled_decode_matches_the_reference_path_in_fp32(tiny_gpt2_dir):
 @pytest.mark.skipif(not cpu_features().can_pack(torch.bfloat16),
                     reason=f"bf16 linears need oneDNN bf16 (AVX-512 BW/VL/DQ); this CPU: {cpu_features().summary()}")
 def test_compiled_decode_matches_the_eager_path_in_bf16(tiny_gpt2_dir):
-    compare(tiny_gpt2_dir, "bfloat16", "auto", atol=5e-2)
+    # Inductor's fused kernels keep LayerNorm, GELU and residuals in fp32 where eager rounds
+    # each to bf16, so logits differ by a bf16 step or two (0.0625 at this model's logit size).
+    compare(tiny_gpt2_dir, "bfloat16", "auto", atol=0.15)
