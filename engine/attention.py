@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.inductor import compile_for
+
 
 @dataclass
 class AttentionGroup:
@@ -92,10 +94,29 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return (probs.unsqueeze(-1) * values.float()).sum(2).to(q.dtype).transpose(0, 1)
 
 
+def decode_attention_with_own(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                              v_cache: torch.Tensor, block_tables: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """decode_attention for queries whose own k, v [B, H, D] are not in the pools yet: `mask`
+    covers the cached keys only, and each query also attends to its own key.
+
+    Leaves the pools unwritten, so a compiled graph of the whole decode forward stays free
+    of mutation (the caller writes k, v after it).
+    """
+    scale = q.shape[-1] ** -0.5
+    keys = k_cache[:, block_tables].flatten(2, 3)  # [H, B, L, D]
+    values = v_cache[:, block_tables].flatten(2, 3)
+    queries = q.transpose(0, 1).float()  # [H, B, D]
+    cached = ((queries.unsqueeze(2) * keys.float()).sum(-1) * scale).masked_fill(~mask, float("-inf"))
+    own = (queries * k.transpose(0, 1).float()).sum(-1, keepdim=True) * scale  # [H, B, 1]
+    probs = torch.cat([cached, own], dim=-1).softmax(dim=-1)
+    out = (probs[..., :-1].unsqueeze(-1) * values.float()).sum(2) + probs[..., -1:] * v.transpose(0, 1).float()
+    return out.to(q.dtype).transpose(0, 1)
+
+
 @functools.cache
 def compiled_decode_attention():
     """Compiled at the first call (tens of seconds), then reused for every shape (dynamic)."""
-    return torch.compile(decode_attention, dynamic=True)
+    return compile_for(torch.device("cpu"), decode_attention, dynamic=True)
 
 
 def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: AttentionGroup) -> torch.Tensor:

@@ -38,6 +38,11 @@ class EngineConfig:
     # (engine/attention.py decode_attention). Off by default: the first step compiles for
     # tens of seconds in every process that runs an engine.
     compile_attention: bool = False
+    # Decode-only steps through one torch.compile'd graph of the whole forward with the
+    # weights frozen in (engine/decode_graph.py); prefill and mixed steps stay eager, on
+    # F.linear (the graph prepacks its own copy of the linears, so none are packed eagerly).
+    # Off by default: every process compiles at its first decode steps (about a minute).
+    compile_decode: bool = False
     seed: int = 0
     block_size: int = 16
     # KV pool size: a block count wins over a memory budget; neither means "fit max_num_seqs

@@ -1,5 +1,6 @@
 """What this CPU can do, as torch and oneDNN report it: the one probe every ISA-dependent
-choice reads (`dtype: auto`, which linears are prepacked for oneDNN).
+choice reads (`dtype: auto`, which linears are prepacked for oneDNN, the vector width of
+inductor's compiled kernels).
 
 /proc/cpuinfo is not the truth to probe: under ONEDNN_MAX_CPU_ISA / ATEN_CPU_CAPABILITY
 (or a hypervisor that hides state) it still lists AVX-512 BF16 while oneDNN refuses bf16
@@ -54,10 +55,11 @@ class CpuFeatures:
         return dtype == torch.float32
 
     @property
-    def can_compile_attention(self) -> bool:
-        """The compiled decode attention gave wrong results with ATen capped at AVX2 (the
-        emulated AVX2 CI step): until it is shown right on AVX2, it runs on AVX-512 only."""
-        return self.avx512
+    def vector_bits(self) -> int | None:
+        """The widest x86 vector registers compiled kernels may use (inductor's cpp.simdlen)."""
+        if self.avx512:
+            return 512
+        return 256 if self.avx2 else None
 
     def summary(self) -> str:
         return (f"{self.machine} {self.isa} (ATen {self.aten_capability}, oneDNN bf16 "

@@ -10,6 +10,7 @@ import torch
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, LinearsMode
 from engine.cpu import cpu_features
+from engine.decode_graph import DecodeGraph
 from engine.heap import limit_onednn_caches
 from engine.loader import ModelSource, load_state_dict, resolve_model
 from engine.logprobs import TokenLogprob
@@ -35,7 +36,8 @@ class LLMEngine:
         if config.torch_device.type == "cpu":
             torch.set_num_threads(config.cpu_threads)
         source = resolve_model(config.model, config.weights)
-        model = build_model(source, config.torch_dtype, config.torch_device, config.seed, config.linears)
+        linears = "reference" if config.compile_decode else config.linears
+        model = build_model(source, config.torch_dtype, config.torch_device, config.seed, linears)
         hf = source.config
         self.max_model_len = min(config.max_model_len or hf.n_positions, hf.n_positions)
         self.eos_token_id = hf.eos_token_id if hf.eos_token_id is not None else hf.vocab_size - 1
@@ -47,7 +49,8 @@ class LLMEngine:
         num_blocks = self._num_kv_blocks(model)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(model, num_blocks, config.block_size, config.seed, _compiled_attention(config))
+        graph = DecodeGraph(model, config.torch_device) if config.compile_decode else None
+        self.runner = ModelRunner(model, num_blocks, config.block_size, config.seed, config.compile_attention, graph)
         self._seqs: dict[str, Sequence] = {}
         self._num_prompt_tokens = 0
         self._num_generated_tokens = 0
@@ -179,15 +182,6 @@ def _default_kv_budget(device: torch.device) -> float:
         free, _ = torch.cuda.mem_get_info(device)
         return free * _GPU_KV_FRACTION
     return _DEFAULT_CPU_KV_GB * 2**30
-
-
-def _compiled_attention(config: EngineConfig) -> bool:
-    """compile_attention where this device runs it right; else the gathering path, said once."""
-    if not config.compile_attention or config.torch_device.type != "cpu" or cpu_features().can_compile_attention:
-        return config.compile_attention
-    logger.warning("compile_attention needs AVX-512 on CPU (this CPU: %s): decodes use the gathering path",
-                   cpu_features().summary())
-    return False
 
 
 def build_model(source: ModelSource, dtype: torch.dtype, device: torch.device, seed: int,

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.attention import AttentionGroup, AttentionMetadata
+from engine.decode_graph import DecodeGraph
 from engine.logits_controls import LogitsControls
 from engine.logprobs import PromptScoring, TokenLogprob, token_logprobs
 from engine.models.gpt2 import GPT2LMHead
@@ -32,8 +33,10 @@ def _samples(seq: Sequence, num_new: int) -> bool:
 
 
 class ModelRunner:
-    def __init__(self, model: GPT2LMHead, num_blocks: int, block_size: int, seed: int, fused_decode: bool = False):
+    def __init__(self, model: GPT2LMHead, num_blocks: int, block_size: int, seed: int, fused_decode: bool = False,
+                 decode_graph: DecodeGraph | None = None):
         self.model = model
+        self.decode_graph = decode_graph
         self.block_size = block_size
         self.fused_decode = fused_decode
         param = next(model.parameters())
@@ -68,12 +71,20 @@ class ModelRunner:
         indices = self._logits_indices(seqs, num_new)
         if scoring is not None:
             indices = torch.cat([self._tensor(scoring.flat_indices), indices])
-        logits = self.model(*inputs, logits_indices=indices)
+        logits = self._forward(inputs, indices)
         num_scored = 0 if scoring is None else len(scoring.flat_indices)
         output = self._sample(sampling, logits[num_scored:])
         if scoring is not None:
             output.prompt_logprobs = scoring.logprobs(logits[:num_scored], self.device)
         return output
+
+    def _forward(self, inputs, indices: torch.Tensor) -> torch.Tensor:
+        """Decode-only steps through the compiled graph where there is one, the rest eager."""
+        input_ids, positions, kv_caches, meta = inputs
+        if self.decode_graph is None or meta.prefill is not None:
+            return self.model(*inputs, logits_indices=indices)
+        logits = self.decode_graph(input_ids, positions, kv_caches, meta.decode.block_tables, meta.slot_mapping)
+        return logits if len(indices) == len(input_ids) else logits[indices]
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> ModelOutput:
         if not seqs:

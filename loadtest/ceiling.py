@@ -1,13 +1,15 @@
 """The engine against its ceiling: offline engine, Hugging Face static-batch `generate` and
 the model's matmuls alone at the same batch, side by side in one run; then one decode step
-of the whole batch against that step's matmuls alone.
+of the whole batch, and one sequence's time per token, against their matmuls alone.
 
     python -m loadtest.ceiling --dtype float32 --num-requests 32 --prompt-len 16 --max-tokens 64
+    python -m loadtest.ceiling --dtype bfloat16 --linears auto --compile-attention --compile-decode
 
 "Matmuls alone" runs the engine's own linear modules (prepacked or F.linear, as the engine
 built them) on inputs of the step's row counts: one prefill of every prompt, then
 max_tokens - 1 decode steps of num_requests rows. It is the time no scheduling, attention,
-layer norm or sampling could go below.
+layer norm or sampling could go below. For `compile_decode` (whose graph prepacks its own
+linears) it is a prepacked copy of the model's linears.
 """
 
 from __future__ import annotations
@@ -19,10 +21,11 @@ import time
 import torch
 
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
+from engine.llm_engine import LLMEngine, build_model
+from engine.loader import resolve_model
 from engine.models.gpt2 import GPT2LMHead
 from engine.sampling_params import SamplingParams
-from loadtest.engine_bench import Result, hf_model, make_prompts, run_engine, run_hf
+from loadtest.engine_bench import Result, decode_ms_per_token, hf_model, make_prompts, run_engine, run_hf
 
 
 def decode_step_ms(engine: LLMEngine, prompts: list[list[int]], num_steps: int) -> float:
@@ -72,6 +75,34 @@ def hf_static(config: EngineConfig, prompts: list[list[int]], max_tokens: int) -
     return run_hf(model, prompts, max_tokens)
 
 
+def variants(args: argparse.Namespace) -> list[tuple[str, dict]]:
+    """(label, EngineConfig fields) of each engine run, in order."""
+    runs = [(f"linears={linears}", {"linears": linears}) for linears in args.linears]
+    if args.compile_attention:
+        runs.append(("linears=auto, compiled attention", {"linears": "auto", "compile_attention": True}))
+    if args.compile_decode:
+        runs.append(("compiled decode graph", {"compile_decode": True}))
+    return runs
+
+
+def ceiling_model(engine: LLMEngine) -> GPT2LMHead:
+    """The model whose linears are the ceiling: the engine's own, or for compile_decode (whose
+    eager linears stay F.linear; its graph prepacks its own) a prepacked copy."""
+    config = engine.config
+    if not config.compile_decode:
+        return engine.runner.model
+    source = resolve_model(config.model, "random")
+    return build_model(source, config.torch_dtype, config.torch_device, config.seed, "auto")
+
+
+def warm_up(engine: LLMEngine, prompts: list[list[int]]) -> None:
+    """Compile (where the engine compiles) for the shapes the timed runs meet, outside them."""
+    run_engine(engine, prompts[:4], 4, "warm-up")
+    if engine.config.compile_attention or engine.config.compile_decode:
+        run_engine(engine, prompts, 3, "warm-up")
+        run_engine(engine, prompts[:1], 20, "warm-up")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="gpt2")
@@ -79,25 +110,22 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--linears", nargs="+", default=["auto", "reference"], help="engine variants to run")
+    parser.add_argument("--linears", nargs="*", default=["auto", "reference"], help="engine variants to run")
     parser.add_argument("--compile-attention", action="store_true", help="also run linears=auto with compiled decode attention")
+    parser.add_argument("--compile-decode", action="store_true", help="also run the compiled decode graph (compile_decode)")
     args = parser.parse_args()
     rows, steps = [], []
-    variants = [(linears, False) for linears in args.linears] + [("auto", True)] * args.compile_attention
-    for linears, compiled in variants:
-        config = EngineConfig(model=args.model, weights="random", dtype=args.dtype, device="cpu", linears=linears,
-                              compile_attention=compiled)
+    for label, fields in variants(args):
+        config = EngineConfig(model=args.model, weights="random", dtype=args.dtype, device="cpu", **fields)
         engine = LLMEngine(config)
         prompts = make_prompts(args.num_requests, args.prompt_len, engine.model_info.vocab_size)
-        run_engine(engine, prompts[:4], 4, "warm-up")
-        if compiled:  # compile for the batch's shapes outside the timed run
-            run_engine(engine, prompts, 3, "warm-up")
-            linears += ", compiled attention"
-        rows.append(run_engine(engine, prompts, args.max_tokens, f"engine, linears={linears}"))
-        model = engine.runner.model
+        warm_up(engine, prompts)
+        rows.append(run_engine(engine, prompts, args.max_tokens, f"engine, {label}"))
+        model = ceiling_model(engine)
         rows.append(matmuls_alone(model, args.num_requests, args.prompt_len, args.max_tokens))
-        rows[-1].name += f", linears={linears}"
-        steps.append((linears, decode_step_ms(engine, prompts, 16), linears_ms(model, args.num_requests, repeats=9)))
+        rows[-1].name += f", {label}"
+        steps.append((label, decode_step_ms(engine, prompts, 16), linears_ms(model, args.num_requests, repeats=9),
+                      decode_ms_per_token(engine, prompts[0], args.max_tokens), linears_ms(model, 1, repeats=9)))
     rows.append(hf_static(config, prompts, args.max_tokens))
     print(f"model={args.model} dtype={config.torch_dtype} threads={torch.get_num_threads()} "
           f"requests={args.num_requests} prompt_len={args.prompt_len} max_tokens={args.max_tokens}")
@@ -105,9 +133,9 @@ def main() -> None:
     for r in rows:
         print(f"{r.name:44s} {r.num_tokens:6d} tokens in {r.seconds:6.2f} s = {r.tokens_per_s:7.1f} tok/s "
               f"({r.tokens_per_s / hf:.2f}x HF)")
-    for linears, step, mm in steps:
-        print(f"decode step of {args.num_requests}, linears={linears}: {step:.1f} ms; its matmuls alone "
-              f"{mm:.1f} ms; ratio {step / mm:.2f}")
+    for label, step, mm, single, single_mm in steps:
+        print(f"{label}: decode step of {args.num_requests} {step:.1f} ms, its matmuls alone {mm:.1f} ms, "
+              f"ratio {step / mm:.2f}; one sequence {single:.2f} ms/token, its matmuls {single_mm:.2f} ms")
 
 
 if __name__ == "__main__":

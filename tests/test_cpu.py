@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from engine import LLM, EngineConfig, cpu
+from engine.inductor import inductor_options
 
 
 @pytest.fixture
@@ -63,3 +64,13 @@ def test_engine_logs_the_cpu_and_linear_path_once_at_startup(tiny_gpt2_dir, capl
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("CPU: ")]
     assert len(lines) == 1
     assert cpu.cpu_features().isa in lines[0] and "linears: " in lines[0]
+
+
+def test_compiled_kernels_are_tiled_for_the_width_the_probe_allows(isa_cap):
+    real = isa_cap("")
+    if not real.avx2:
+        pytest.skip(f"no x86 vector ISA to cap ({real.summary()})")
+    assert inductor_options(torch.device("cpu")) == {"cpp.simdlen": 512 if real.avx512 else 256}
+    isa_cap("avx2")
+    assert inductor_options(torch.device("cpu")) == {"cpp.simdlen": 256}
+    assert inductor_options(torch.device("meta")) == {}

@@ -9,7 +9,6 @@ import torch
 
 from engine import LLM
 from engine.attention import AttentionGroup, _attend, compiled_decode_attention, decode_attention
-from engine.cpu import cpu_features
 from tests.engine_helpers import greedy_logprobs, mixed_prompts
 
 HEADS, BLOCKS, BLOCK_SIZE, HEAD_DIM = 4, 40, 16, 16
@@ -36,30 +35,22 @@ def test_decode_attention_matches_the_gathering_path(dtype, atol):
     torch.testing.assert_close(decode_attention(*inputs), eager_reference(*inputs), atol=atol, rtol=atol)
 
 
-needs_avx512 = pytest.mark.skipif(not cpu_features().can_compile_attention,
-                                  reason=f"compiled decode attention needs AVX-512 ({cpu_features().summary()})")
-
-
-@needs_avx512
 @torch.inference_mode()
 def test_compiled_decode_attention_matches_the_gathering_path():
+    """Under CI's AVX2-emulated step this runs after the AVX-512 step compiled the same
+    graph: the kernels must be keyed by vector width (engine/inductor.py), or this reads NaN."""
     inputs = ragged_decode_batch(torch.float32)
     torch.testing.assert_close(compiled_decode_attention()(*inputs), eager_reference(*inputs), atol=1e-5, rtol=1e-5)
 
 
 def test_engine_with_compiled_attention_agrees_with_reference(tiny_gpt2_dir):
-    """Compiled where the CPU runs it, the gathering fallback elsewhere: the same tokens."""
     compiled = LLM(str(tiny_gpt2_dir), weights="pretrained", dtype="float32", device="cpu",
                    linears="reference", compile_attention=True)
     reference = LLM(str(tiny_gpt2_dir), weights="pretrained", dtype="float32", device="cpu", linears="reference")
+    assert compiled.engine.runner.fused_decode
     for prompt in mixed_prompts(4):
         tokens, logprobs = greedy_logprobs(compiled, prompt, 12)
         ref_tokens, ref_logprobs = greedy_logprobs(reference, prompt, 12)
         assert tokens == ref_tokens
         for i, token in enumerate(tokens):
             assert abs(logprobs[i][token] - ref_logprobs[i][token]) < 1e-3
-
-
-def test_compile_attention_falls_back_to_the_gathering_path_without_avx512(tiny_gpt2_dir):
-    llm = LLM(str(tiny_gpt2_dir), weights="pretrained", dtype="float32", device="cpu", compile_attention=True)
-    assert llm.engine.runner.fused_decode == cpu_features().can_compile_attention

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import GPT2Config
 
-from engine.attention import AttentionMetadata, paged_attention
+from engine.attention import AttentionMetadata, decode_attention_with_own, paged_attention
 from engine.packed_linear import PackedLinear, pack_linears
 
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -34,7 +34,17 @@ class GPT2Block(nn.Module):
     def forward(self, h: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.attn_qkv(self.ln_1(h)).view(h.shape[0], 3, self.num_heads, self.head_dim)
         attn = paged_attention(qkv[:, 0], qkv[:, 1], qkv[:, 2], kv_cache[0], kv_cache[1], meta)
-        h = h + self.attn_out(attn.flatten(1))
+        return self._mlp(h + self.attn_out(attn.flatten(1)))
+
+    def decode(self, h: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], block_tables: torch.Tensor,
+               mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One token per sequence, the pools read and left unwritten: (h, this step's k, v)."""
+        qkv = self.attn_qkv(self.ln_1(h)).view(h.shape[0], 3, self.num_heads, self.head_dim)
+        q, k, v = qkv.unbind(1)
+        attn = decode_attention_with_own(q, k, v, kv_cache[0], kv_cache[1], block_tables, mask)
+        return self._mlp(h + self.attn_out(attn.flatten(1))), k, v
+
+    def _mlp(self, h: torch.Tensor) -> torch.Tensor:
         return h + self.mlp_proj(F.gelu(self.mlp_fc(self.ln_2(h)), approximate="tanh"))
 
 
@@ -65,6 +75,22 @@ class GPT2LMHead(nn.Module):
         h = self.ln_f(h[logits_indices])
         logits = F.linear(h, self.wte.weight) if self.lm_head is None else self.lm_head(h)
         return logits.float()
+
+    def decode(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+               block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A decode-only step as one pure function (what engine/decode_graph.py compiles): one
+        token per sequence at `positions` (its number of cached tokens) in; float32 logits
+        [B, vocab] and every layer's k, v [n_layer, B, H, D], still to be written, out."""
+        keys = torch.arange(block_tables.shape[1] * kv_caches[0][0].shape[2], device=input_ids.device)
+        mask = keys.unsqueeze(0) < positions.unsqueeze(1)  # [B, L]: the cached tokens
+        h = self.wte(input_ids) + self.wpe(positions)
+        new_keys, new_values = [], []
+        for block, kv_cache in zip(self.h, kv_caches):
+            h, k, v = block.decode(h, kv_cache, block_tables, mask)
+            new_keys.append(k)
+            new_values.append(v)
+        logits = F.linear(self.ln_f(h), self.wte.weight)
+        return logits.float(), torch.stack(new_keys), torch.stack(new_values)
 
     def pack_linears(self) -> None:
         """Prepack the projections and the LM head for oneDNN (bf16 on CPU, see

@@ -1,0 +1,43 @@
+"""torch.compile with inductor's CPU kernels tiled for the vector width the CPU probe allows.
+
+Why the width is passed explicitly: inductor's on-disk FX graph cache, shared by every
+process of a user, keys a CPU graph's generated C++ by the graph and the inductor config,
+not by the vector ISA the C++ was tiled for; that ISA (picked from ATEN_CPU_CAPABILITY or
+the CPU) only enters the compiler flags. A process running at another ISA on the same
+machine (CI's AVX2-emulated step after its AVX-512 one) then reuses C++ tiled for 16-lane
+AVX-512 vectors and builds it with 8-lane AVX2 types: out-of-bounds loads and stores,
+NaNs, heap corruption. `cpp.simdlen` from the probe puts the width into the config, so
+into the cache key, and caps inductor at what RAYINFER_CPU_ISA allows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from engine.cpu import cpu_features
+
+
+def inductor_options(device: torch.device) -> dict[str, object]:
+    """Inductor config for a compile on `device`: the CPU's vector width where it has one."""
+    bits = cpu_features().vector_bits if device.type == "cpu" else None
+    return {} if bits is None else {"cpp.simdlen": bits}
+
+
+def compile_for(device: torch.device, fn: Callable, dynamic: bool | None = None, freezing: bool = False) -> Callable:
+    """torch.compile(fn) with inductor_options(device); freezing folds the parameters fn reads
+    into the graph as constants (so inductor prepacks linear weights), which needs grad off.
+
+    freezing is set around each call, not passed in torch.compile's options: inductor reads it
+    before applying those, and a recompile (a new shape) happens inside a later call.
+    """
+    compiled = torch.compile(fn, dynamic=dynamic, options=inductor_options(device))
+    if not freezing:
+        return compiled
+
+    def frozen(*args):
+        with torch._inductor.config.patch(freezing=True):
+            return compiled(*args)
+
+    return frozen
