@@ -7,6 +7,7 @@ over keys without a failed request, and the router's metrics reach Prometheus.""
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 import threading
 import time
@@ -21,6 +22,8 @@ from ray import serve
 
 from deployments.app import make_app
 from deployments.prefix_routing import prefix_key, rendezvous_order
+from deployments.engine_load import LOAD_LOG_DIR_ENV, read_load_logs
+from loadtest.load_balance import arrival_loads
 from tests.serve_helpers import free_port, running_app
 from tests.test_observability import scrape_until
 
@@ -47,7 +50,17 @@ def engine_options(num_replicas: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_gpt2_dir: Path) -> Iterator[tuple[str, str]]:
+def load_log_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Engine replicas log their load here (deployments/engine_load.py), inheriting the
+    variable from this process, which starts Ray."""
+    directory = tmp_path_factory.mktemp("load-logs")
+    os.environ[LOAD_LOG_DIR_ENV] = str(directory)
+    yield directory
+    del os.environ[LOAD_LOG_DIR_ENV]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_gpt2_dir: Path, load_log_dir: Path) -> Iterator[tuple[str, str]]:
     metrics_port = free_port()
     with running_app(make_app(app_args(tiny_gpt2_dir), engine_options(2)), APP, _metrics_export_port=metrics_port,
                      _system_config={"metrics_report_interval_ms": 500}) as url:
@@ -99,18 +112,22 @@ def test_each_prefix_goes_to_its_first_choice_and_hits_its_cache(server):
     assert sum(s["num_prefix_hit_tokens"] for s in stats) >= 6 * 2 * 5 * BLOCK
 
 
-def test_a_burst_on_one_prefix_spills_to_its_second_choice_within_the_bound(server):
+def test_a_burst_on_one_prefix_spills_to_its_second_choice_within_the_bound(server, load_log_dir):
     base_url, metrics_url = server
     rng = random.Random(1)
     prefix = random_prompt(rng, 5 * BLOCK)
     order = rendezvous_order(prefix_key(prefix, BLOCK, KEY_BLOCKS), list(engine_replicas()))
-    before = served()
+    before, started = served(), time.time()
     with httpx.Client(base_url=base_url, timeout=120) as client, ThreadPoolExecutor(24) as pool:
         list(pool.map(lambda _: complete(client, prefix + random_prompt(rng, 8), max_tokens=48), range(24)))
     counts = new_requests(before)
     assert sum(counts.values()) == 24
     assert counts[order[1]] >= 1, counts  # the load bound sent some to the second choice
     assert counts[order[0]] >= counts[order[1]], counts  # and affinity kept the most at home
+    # As the replicas saw it: no arrival left its replica past (1 + EPS) x the mean load
+    # (beyond the few milliseconds in which requests routed at once arrive in any order).
+    loads = arrival_loads(read_load_logs(load_log_dir, started), EPS)
+    assert (loads.num_arrivals, loads.num_over_bound_lasting) == (24, 0), loads
     at_least = lambda n: lambda v: v >= n  # noqa: E731
     scrape_until(metrics_url, {
         ("ray_rayinfer_router_routed_requests_total", ("decision", "spill")): at_least(1),
