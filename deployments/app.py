@@ -41,6 +41,9 @@ class AppArgs(BaseModel):
     engine: dict[str, Any] = Field(default_factory=dict)  # any other EngineConfig field
     engine_num_cpus: float = 0.5  # also sizes its torch threads: ceil(engine_num_cpus)
     engine_num_gpus: float | Literal["auto"] = "auto"  # auto: 1 if the cluster has a GPU, else 0
+    # Engine replicas where the engine runs on CPU (None: the deployment's own, one); with a
+    # GPU each, always the deployment's own. A config file's num_replicas overrides both.
+    engine_cpu_replicas: int | None = Field(None, ge=1)
     # The engine replica's process: libraries to preload where present ("tcmalloc", "iomp5",
     # a path; deployments/engine_runtime.py) and environment variables (e.g. KMP_AFFINITY).
     engine_preload: list[str] = Field(default_factory=list)
@@ -71,7 +74,7 @@ def make_app(args: dict, deployment_options: dict[str, dict] | None = None) -> s
     tokenizer = TokenizerDeployment
     if app_args.tokenizer_num_replicas is not None:
         tokenizer = tokenizer.options(num_replicas=app_args.tokenizer_num_replicas, autoscaling_config=None)
-    engine = EngineDeployment.options(ray_actor_options=engine_actor_options(app_args, num_gpus))
+    engine = EngineDeployment.options(**engine_deployment_options(app_args, num_gpus))
     return Ingress.options(**options.get("Ingress", {})).bind(
         tokenizer.options(**options.get("TokenizerDeployment", {})).bind(
             app_args.model, app_args.tokenizer_max_batch_size, app_args.tokenizer_batch_wait_s),
@@ -80,6 +83,13 @@ def make_app(args: dict, deployment_options: dict[str, dict] | None = None) -> s
         app_args.api_keys,
         app_args.max_body_bytes,
     )
+
+
+def engine_deployment_options(args: AppArgs, num_gpus: float) -> dict:
+    options: dict[str, Any] = {"ray_actor_options": engine_actor_options(args, num_gpus)}
+    if num_gpus == 0 and args.engine_cpu_replicas is not None:
+        options["num_replicas"] = args.engine_cpu_replicas
+    return options
 
 
 def engine_actor_options(args: AppArgs, num_gpus: float) -> dict:

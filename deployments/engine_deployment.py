@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import psutil
 from ray import serve
 
-from deployments.engine_load import EngineLoad
+from deployments.engine_load import EngineLoad, LoadLog
 from deployments.logs import route_logs_to_serve
 from deployments.metrics import EngineMetricsReporter
 from engine import AsyncEngine, EngineConfig, EngineStats, GenerationChunk, ModelInfo, SamplingParams
@@ -53,6 +53,7 @@ class EngineDeployment:
         self._engine = AsyncEngine(config, max_chunks_per_s=max_chunks_per_s)
         self._metrics = EngineMetricsReporter(self._engine.stats)
         self._num_requests = 0
+        self._load_log = LoadLog(serve.get_replica_context().replica_id.unique_id)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[GenerationChunk]:
@@ -61,9 +62,13 @@ class EngineDeployment:
         Raises ValueError before the first chunk for a request that can never run.
         """
         self._num_requests += 1
-        async with contextlib.aclosing(self._engine.generate(request_id, prompt_token_ids, params)) as chunks:
-            async for chunk in chunks:
-                yield chunk
+        self._load_log.arrived()
+        try:
+            async with contextlib.aclosing(self._engine.generate(request_id, prompt_token_ids, params)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+        finally:
+            self._load_log.left()
 
     def model_info(self) -> ModelInfo:
         return self._engine.model_info

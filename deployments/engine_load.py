@@ -2,12 +2,16 @@
 
 Serve polls `record_routing_stats` (for the router, as `replica.routing_stats`) and
 `record_autoscaling_stats` (for the autoscaling policy, as `ctx.aggregated_metrics`) on the
-engine deployment; both read one EngineLoad.
+engine deployment; both read one EngineLoad. A LoadLog times each change of the replica's
+open requests, for benchmarks and tests to check the router's load bound against.
 """
 
 from __future__ import annotations
 
+import os
+import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 from engine import AsyncEngine
 
@@ -41,3 +45,40 @@ class EngineLoad:
         return {"engine_requests": float(self.num_active),
                 "engine_waiting_prompt_tokens": float(self.num_waiting_prompt_tokens),
                 "engine_kv_cache_usage": self.kv_cache_usage}
+
+
+
+LoadEvent = tuple[float, int, int]  # (wall-clock time, open requests after it, +1 arrived / -1 left)
+LOAD_LOG_DIR_ENV = "RAYINFER_LOAD_LOG_DIR"  # set by benchmarks and tests, off in service
+
+
+class LoadLog:
+    """Where RAYINFER_LOAD_LOG_DIR is set in the replica's environment, every change of its
+    open `generate` calls, appended to <dir>/<replica id>.log as "time open delta" lines
+    (wall clock, so the logs of replicas on one machine merge into one timeline:
+    loadtest/load_balance.py). Elsewhere it writes nothing."""
+
+    def __init__(self, replica_id: str) -> None:
+        self.num_open = 0
+        directory = os.environ.get(LOAD_LOG_DIR_ENV)
+        self._file = open(Path(directory) / f"{replica_id}.log", "a", buffering=1) if directory else None
+
+    def arrived(self) -> None:
+        self._record(1)
+
+    def left(self) -> None:
+        self._record(-1)
+
+    def _record(self, delta: int) -> None:
+        self.num_open += delta
+        if self._file is not None:
+            self._file.write(f"{time.time():.6f} {self.num_open} {delta}\n")
+
+
+def read_load_logs(directory: Path, since: float = 0.0) -> dict[str, list[LoadEvent]]:
+    """Every replica's LoadLog in directory, the events at or after `since` (time.time())."""
+    logs = {}
+    for path in sorted(directory.glob("*.log")):
+        events = [(float(t), int(n), int(d)) for t, n, d in (line.split() for line in path.read_text().splitlines())]
+        logs[path.stem] = [event for event in events if event[0] >= since]
+    return logs

@@ -7,9 +7,9 @@
              only the keys whose first choice it is
     bound    consistent hashing with bounded loads (Mirrokni, Thorup, Zadimoghaddam 2018):
              the first replica in that order whose load, with this request, stays within
-             ceil((1 + eps) * mean load); past it the request spills to the next one in the
-             same order, so a hot prefix's overflow lands on one second home, not on all
-             replicas
+             (1 + eps) x the mean load with this request; past it the request spills to the
+             next one in the same order, so a hot prefix's overflow lands on one second
+             home, not on all replicas
 
 Pure functions, no Ray: deployments/router.py feeds them what Serve knows.
 """
@@ -57,8 +57,12 @@ def _weight(key: int, replica_id: str) -> int:
 
 
 def load_bound(total_load: int, num_replicas: int, eps: float) -> int:
-    """The most requests one replica may hold once this one is placed."""
-    return math.ceil((1 + eps) * (total_load + 1) / num_replicas)
+    """The most requests one replica may hold once this one is placed: the largest whole
+    number within (1 + eps) x the mean, counting this request. Where no whole number is
+    (few requests in flight: 2 of 3 over 2 replicas is 1.33 x the mean), the even split
+    ceil(mean), which the least-loaded replica always meets."""
+    mean = (total_load + 1) / num_replicas
+    return max(math.ceil(mean), math.floor((1 + eps) * mean + 1e-9))
 
 
 def choose(key: int | None, loads: Mapping[str, int], eps: float) -> Choice:

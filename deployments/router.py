@@ -4,22 +4,24 @@ Set in a config file (configs/scale-out.yaml) on the EngineDeployment entry:
 
     request_router_config:
       request_router_class: deployments.router:PrefixAffinityRouter
-      request_router_kwargs: {load_bound_eps: 0.25, key_blocks: 4}
+      request_router_kwargs: {load_bound_eps: 0.5, key_blocks: 4}
       request_routing_stats_period_s: 1
 
 Each handle (each ingress replica) has its own router instance; they agree without talking
 to each other because the choice is a pure function of the prompt's block hashes and the
 replicas' loads (deployments/prefix_routing.py). Routing never waits on anything: the load
 comes from what this process already holds: Serve's queue-length cache (every replica
-reports its ongoing requests with each response), this router's own requests in flight,
-and, where the cache has nothing fresh, the replicas' routing stats (polled by Serve every
-request_routing_stats_period_s).
+reports its ongoing requests with each response), this router's own requests from the
+moment it chose their replica, and, where the cache has nothing fresh, the replicas'
+routing stats (polled by Serve every request_routing_stats_period_s).
 """
 
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
+import time
+from collections import Counter
+from dataclasses import dataclass
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
@@ -29,9 +31,19 @@ from deployments.prefix_routing import Choice, choose, prefix_key
 logger = logging.getLogger("ray.serve")
 
 _ENGINE_BLOCK_SIZE = 16  # EngineConfig's default, until a replica reports its own
-# Choices made for requests not yet routed: a request cancelled while it waits for a replica
-# never comes back for its entry, so only this many of the newest are kept.
-_MAX_PENDING_CHOICES = 4096
+# A request counts on its chosen replica from the moment it is chosen, before Serve sends it
+# (several can be chosen before the first is sent). One cancelled between its choice and its
+# send never comes back to on_request_routed or on_request_completed: it stops counting after
+# this long unconfirmed.
+_UNROUTED_TTL_S = 10.0
+
+
+@dataclass
+class _Placement:
+    replica_id: str  # the chosen replica, then the one Serve sent it to
+    choice: Choice
+    chosen_at: float
+    is_routed: bool = False
 
 
 class PrefixAffinityRouter(RequestRouter):
@@ -42,8 +54,7 @@ class PrefixAffinityRouter(RequestRouter):
             raise ValueError(f"key_blocks must be a positive integer, got {key_blocks!r}")
         self._eps = load_bound_eps
         self._key_blocks = key_blocks
-        self._in_flight: dict[str, ReplicaID] = {}  # internal request id -> its replica
-        self._choices: OrderedDict[str, Choice] = OrderedDict()  # made, not yet routed
+        self._placements: dict[str, _Placement] = {}  # internal request id -> where it went
         self._metrics = RouterMetrics()
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
@@ -54,32 +65,26 @@ class PrefixAffinityRouter(RequestRouter):
         by_id = {replica.replica_id.unique_id: replica for replica in candidate_replicas}
         choice = choose(self._key(pending_request, candidate_replicas), self._loads(candidate_replicas), self._eps)
         if pending_request is not None:
-            self._remember(pending_request.metadata.internal_request_id, choice)
+            request_id = pending_request.metadata.internal_request_id
+            self._placements[request_id] = _Placement(choice.replica_id, choice, time.monotonic())
         chosen = by_id.pop(choice.replica_id)
         return [[chosen], list(by_id.values())] if by_id else [[chosen]]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
-        request_id = pending_request.metadata.internal_request_id
-        self._in_flight[request_id] = replica_id
-        choice = self._choices.pop(request_id, None)
+        placement = self._placements.get(pending_request.metadata.internal_request_id)
         # Refused by its choice and sent to another: that is a spill too.
-        decision = choice.decision if choice and choice.replica_id == replica_id.unique_id else "spill"
-        self._metrics.record_routed(replica_id.unique_id, decision)
+        is_choice = placement is not None and placement.choice.replica_id == replica_id.unique_id
+        self._metrics.record_routed(replica_id.unique_id, placement.choice.decision if is_choice else "spill")
+        if placement is not None:
+            placement.replica_id, placement.is_routed = replica_id.unique_id, True
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        self._in_flight.pop(internal_request_id, None)
-        self._choices.pop(internal_request_id, None)
+        self._placements.pop(internal_request_id, None)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         """Serve calls this when the replica set or a replica's routing stats change."""
         super().update_replicas(replicas)
         self._metrics.record_replicas({r.replica_id.unique_id: r.routing_stats or {} for r in replicas})
-
-    def _remember(self, request_id: str, choice: Choice) -> None:
-        self._choices[request_id] = choice
-        self._choices.move_to_end(request_id)
-        if len(self._choices) > _MAX_PENDING_CHOICES:
-            self._choices.popitem(last=False)
 
     def _key(self, pending_request: PendingRequest | None, replicas: list[RunningReplica]) -> int | None:
         token_ids = _prompt_token_ids(pending_request)
@@ -88,22 +93,27 @@ class PrefixAffinityRouter(RequestRouter):
         return prefix_key(token_ids, _block_size(replicas), self._key_blocks)
 
     def _loads(self, replicas: list[RunningReplica]) -> dict[str, int]:
-        in_flight: dict[ReplicaID, int] = {}
-        for replica_id in self._in_flight.values():
-            in_flight[replica_id] = in_flight.get(replica_id, 0) + 1
-        loads = {}
-        for replica in replicas:
-            loads[replica.replica_id.unique_id] = self._load(replica, in_flight.get(replica.replica_id, 0))
-        return loads
+        own = self._own_loads()
+        return {r.replica_id.unique_id: self._load(r, own.get(r.replica_id.unique_id, 0)) for r in replicas}
 
-    def _load(self, replica: RunningReplica, num_in_flight: int) -> int:
-        """Freshest first: Serve's cache holds the count the replica sent with its last
-        response, plus this router's sends and completions since. The replica's own report
-        is up to a stats period old, so it only stands in when the cache has nothing."""
+    def _own_loads(self) -> dict[str, int]:
+        """This router's requests in each replica: chosen or sent, not completed."""
+        expired_before = time.monotonic() - _UNROUTED_TTL_S
+        for request_id, placement in list(self._placements.items()):
+            if not placement.is_routed and placement.chosen_at < expired_before:
+                del self._placements[request_id]
+        return Counter(placement.replica_id for placement in self._placements.values())
+
+    def _load(self, replica: RunningReplica, num_own: int) -> int:
+        """Serve's cache holds the count the replica sent with its last response (every
+        router's requests), plus this router's sends and completions since; this router's
+        own count is exact for its requests, including those chosen but not yet sent. The
+        replica's own report is up to a stats period old: it stands in only where the
+        cache has nothing."""
         queue_len = self.replica_queue_len_cache.get(replica.replica_id)
-        if queue_len is not None:
-            return max(queue_len, num_in_flight)
-        return max((replica.routing_stats or {}).get("num_active", 0), num_in_flight)
+        if queue_len is None:
+            queue_len = (replica.routing_stats or {}).get("num_active", 0)
+        return max(queue_len, num_own)
 
 
 def _prompt_token_ids(pending_request: PendingRequest | None) -> list[int] | None:

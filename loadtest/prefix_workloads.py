@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import threading
 import time
 from dataclasses import dataclass
 from typing import Literal
@@ -113,43 +112,14 @@ class ReplicaCounts:
 def engine_replica_counts(app: str = "rayinfer") -> dict[str, ReplicaCounts]:
     """Every running engine replica's counts, asked of the replica actors directly (this
     process must be a driver on the app's cluster)."""
-    actors = _engine_replica_actors(app)
+    actors = engine_replica_actors(app)
     stats = ray.get([actor.record_routing_stats.remote() for actor in actors.values()])
     return {replica_id: ReplicaCounts(s["num_requests"], s["num_prefix_queried_tokens"], s["num_prefix_hit_tokens"])
             for replica_id, s in zip(actors, stats)}
 
 
-def _engine_replica_actors(app: str) -> dict[str, ray.actor.ActorHandle]:
+def engine_replica_actors(app: str = "rayinfer") -> dict[str, ray.actor.ActorHandle]:
     prefix = f"SERVE_REPLICA::{app}#EngineDeployment#"
     names = [actor["name"] for actor in ray.util.list_named_actors(all_namespaces=True)
              if actor["namespace"] == "serve" and actor["name"].startswith(prefix)]
     return {name.removeprefix(prefix): ray.get_actor(name, namespace="serve") for name in names}
-
-
-class LoadSampler:
-    """Each engine replica's requests in flight, sampled every period_s while in the `with`
-    block: the load the router bounds, as the replicas themselves count it."""
-
-    def __init__(self, app: str = "rayinfer", period_s: float = 0.2) -> None:
-        self._actors = _engine_replica_actors(app)
-        self._period_s = period_s
-        self._samples: dict[str, list[int]] = {replica_id: [] for replica_id in self._actors}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> LoadSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self._period_s):
-            stats = ray.get([actor.record_routing_stats.remote() for actor in self._actors.values()])
-            for replica_id, s in zip(self._actors, stats):
-                self._samples[replica_id].append(s["num_active"])
-
-    def mean_active(self) -> dict[str, float]:
-        return {replica_id: sum(s) / max(len(s), 1) for replica_id, s in self._samples.items()}

@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import statistics
+import tempfile
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +29,9 @@ from ray import serve
 
 from deployments.app import make_app
 from loadtest.http_target import Target
-from loadtest.prefix_workloads import LoadSampler, PrefixWorkload, ReplicaCounts, engine_replica_counts, run_http
+from deployments.engine_load import LOAD_LOG_DIR_ENV, read_load_logs
+from loadtest.load_balance import ArrivalLoads, arrival_loads
+from loadtest.prefix_workloads import PrefixWorkload, ReplicaCounts, engine_replica_counts, run_http
 from loadtest.results import BenchResult
 
 SERVE_DEFAULT_ROUTER = "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter"
@@ -39,7 +44,7 @@ class SetupResult:
     setup: str
     bench: BenchResult
     replicas: dict[str, ReplicaCounts]
-    mean_active: dict[str, float]  # requests in flight, averaged over the run
+    loads: ArrivalLoads  # requests in each replica when one arrived
     ideal_hit_tokens: int
 
     @property
@@ -56,10 +61,6 @@ class SetupResult:
     def max_over_mean_requests(self) -> float:
         counts = [c.num_requests for c in self.replicas.values()]
         return max(counts) / statistics.mean(counts)
-
-    @property
-    def max_over_mean_active(self) -> float:
-        return max(self.mean_active.values()) / max(statistics.mean(self.mean_active.values()), 1e-9)
 
 
 def app_from_config(config_path: Path, setup: str, overrides: dict) -> serve.Application:
@@ -80,21 +81,38 @@ def app_from_config(config_path: Path, setup: str, overrides: dict) -> serve.App
 
 
 def run_setup(config_path: Path, setup: str, overrides: dict, workload: PrefixWorkload, port: int) -> SetupResult:
+    with tempfile.TemporaryDirectory() as load_log_dir:
+        os.environ[LOAD_LOG_DIR_ENV] = load_log_dir  # the local Ray's workers inherit it
+        try:
+            return _run_setup(config_path, setup, overrides, workload, port, Path(load_log_dir))
+        finally:
+            del os.environ[LOAD_LOG_DIR_ENV]
+
+
+def _run_setup(config_path: Path, setup: str, overrides: dict, workload: PrefixWorkload, port: int,
+               load_log_dir: Path) -> SetupResult:
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(app_from_config(config_path, setup, overrides), name="rayinfer", route_prefix="/")
         target = Target(f"http://127.0.0.1:{port}", setup, model=None, ignore_eos=True)
         _warm_up(target.url)
-        before = engine_replica_counts()
-        with LoadSampler() as load:
-            bench = run_http(target, workload)
+        before, started = engine_replica_counts(), time.time()
+        bench = run_http(target, workload)
         after = engine_replica_counts()
         counts = {r: after[r].minus(before.get(r, ReplicaCounts(0, 0, 0))) for r in after}
-        return SetupResult(setup, bench, counts, load.mean_active(), workload.ideal_hit_tokens(BLOCK_SIZE))
+        loads = arrival_loads(read_load_logs(load_log_dir, started), load_bound_eps(config_path))
+        return SetupResult(setup, bench, counts, loads, workload.ideal_hit_tokens(BLOCK_SIZE))
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+def load_bound_eps(config_path: Path) -> float:
+    """The config's load_bound_eps: every setup's loads are judged against the same bound."""
+    application = yaml.safe_load(config_path.read_text())["applications"][0]
+    engine = next(d for d in application.get("deployments", []) if d["name"] == "EngineDeployment")
+    return engine.get("request_router_config", {}).get("request_router_kwargs", {}).get("load_bound_eps", 0.25)
 
 
 def _warm_up(url: str) -> None:
@@ -106,14 +124,16 @@ def _warm_up(url: str) -> None:
 
 def table(results: Sequence[SetupResult]) -> str:
     header = ("| setup | req/s | output tok/s | TTFT p50 ms | TTFT p95 ms | prefix hit rate | hits / ideal "
-              "| requests per replica | max/mean requests | max/mean in flight | failed |")
-    rows = [header, "|" + "---|" * 11]
+              "| requests per replica | max/mean requests | busiest/mean at arrivals | over bound: at arrival / lasting | failed |")
+    rows = [header, "|" + "---|" * 12]
     for r in results:
         ideal = "-" if r.share_of_ideal is None else f"{r.share_of_ideal:.0%}"
         per_replica = " / ".join(str(c.num_requests) for c in sorted(r.replicas.values(), key=lambda c: -c.num_requests))
         rows.append(f"| {r.setup} | {r.bench.request_throughput:.2f} | {r.bench.output_throughput:.1f} "
                     f"| {r.bench.ttft_ms.p50:.0f} | {r.bench.ttft_ms.p95:.0f} | {r.hit_rate:.0%} | {ideal} "
-                    f"| {per_replica} | {r.max_over_mean_requests:.2f} | {r.max_over_mean_active:.2f} | {r.bench.failures} |")
+                    f"| {per_replica} | {r.max_over_mean_requests:.2f} | {r.loads.busiest_over_mean:.2f} "
+                    f"| {r.loads.num_over_bound} / {r.loads.num_over_bound_lasting} of {r.loads.num_arrivals} "
+                    f"| {r.bench.failures} |")
     return "\n".join(rows)
 
 

@@ -11,7 +11,7 @@ import httpx
 import psutil
 import pytest
 
-from deployments.app import AppArgs, build_app, engine_actor_options
+from deployments.app import AppArgs, build_app, engine_actor_options, engine_deployment_options
 from deployments.engine_runtime import engine_env_vars, resolve_library
 from tests.serve_helpers import running_app
 
@@ -41,6 +41,14 @@ def test_without_preload_or_env_the_engine_gets_no_runtime_env() -> None:
     assert engine_actor_options(AppArgs(), 0) == {"num_cpus": 0.5, "num_gpus": 0}
     options = engine_actor_options(AppArgs(engine_env={"KMP_AFFINITY": "disabled"}), 0)
     assert options["runtime_env"] == {"env_vars": {"KMP_AFFINITY": "disabled"}}
+
+
+def test_engine_cpu_replicas_sets_the_replica_count_on_cpu_and_never_on_gpus() -> None:
+    """configs/gpt2.yaml runs 2 CPU replicas but still runs as is on a 1-GPU machine."""
+    args = AppArgs(engine_cpu_replicas=2, engine_num_cpus=0.75)
+    assert engine_deployment_options(args, 0)["num_replicas"] == 2
+    assert "num_replicas" not in engine_deployment_options(args, 1)
+    assert "num_replicas" not in engine_deployment_options(AppArgs(), 0)  # the deployment's own
 
 
 def test_a_config_key_that_is_not_a_string_map_is_refused() -> None:

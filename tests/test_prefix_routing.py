@@ -5,6 +5,8 @@ few keys when replicas come and go, and the load bound caps every replica."""
 from __future__ import annotations
 
 import json
+import math
+import random
 import subprocess
 import sys
 from collections import Counter
@@ -13,6 +15,7 @@ from deployments.prefix_routing import choose, load_bound, prefix_key, rendezvou
 from engine.block_manager import BlockManager
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
+from loadtest.load_balance import arrival_loads
 
 BLOCK = 16
 REPLICAS = [f"replica-{i}" for i in range(4)]
@@ -83,15 +86,39 @@ def test_past_the_bound_a_key_spills_to_its_second_choice():
     assert (choice.replica_id, choice.decision) == (order[1], "spill")  # not the least loaded
 
 
-def test_a_hot_key_never_puts_a_replica_past_the_bound():
+def test_the_bound_is_within_one_plus_eps_times_the_mean_counting_the_new_request():
+    assert load_bound(15, 2, eps=0.25) == 10  # 16 in flight: 10 is 1.25 x the mean of 8
+    assert load_bound(14, 2, eps=0.25) == 9  # 15: 9.375 allowed, so 9 (a ceiling gave 10, 1.33x)
+    assert load_bound(99, 4, eps=0.1) == 27  # 1.1 x 25 = 27.5
+    assert load_bound(2, 2, eps=0.25) == 2  # 3 in flight: no whole split within 1.25x; 2 + 1 is the best
+
+
+def test_a_hot_key_never_puts_a_replica_past_eps_times_the_mean_while_requests_come_and_go():
+    """One key, requests arriving and finishing at random: every placement leaves its
+    replica within (1 + eps) x the mean, counting the new request, unless no whole number
+    is (then at the even split, ceil(mean))."""
+    rng = random.Random(0)
     key = prefix_key(list(range(100)), BLOCK, 4)
-    loads = dict.fromkeys(REPLICAS, 0)
-    for _ in range(200):
-        bound = load_bound(sum(loads.values()), len(loads), 0.25)
+    loads = dict.fromkeys(REPLICAS[:2], 0)
+    for _ in range(2000):
+        if rng.random() < 0.45 and sum(loads.values()):
+            loads[rng.choice([r for r, load in loads.items() if load])] -= 1
+            continue
         replica = choose(key, loads, eps=0.25).replica_id
         loads[replica] += 1
-        assert loads[replica] <= bound
-    assert max(loads.values()) <= 1.25 * 200 / 4 + 1
+        mean = sum(loads.values()) / len(loads)
+        assert loads[replica] <= max(math.ceil(mean), 1.25 * mean), loads
+    assert sum(loads.values()) > 40  # the walk reached loads where the bound bites
+
+
+def test_arrival_loads_count_the_placements_past_the_bound_from_the_replicas_logs():
+    # Arrivals: t=1 a holds 1 of 1 (the even split: fine); t=2 a holds 2 of 2 (1/1 was
+    # possible: over); t=3 b holds 1 of 3 (fine); t=4 a holds 3 of 4 (mean 2, bound 2.5: over).
+    # 1.5 s later: t=2's breach has ended (b took one at t=3), t=4's has not (a 3 of 3).
+    logs = {"a": [(1.0, 1, 1), (2.0, 2, 1), (4.0, 3, 1)], "b": [(3.0, 1, 1), (5.0, 0, -1)]}
+    loads = arrival_loads(logs, eps=0.25, settle_s=1.5)
+    assert (loads.num_arrivals, loads.num_over_bound, loads.num_over_bound_lasting) == (4, 2, 1)
+    assert loads.busiest_over_mean == (1 + 2 + 2 + 3) / (0.5 + 1 + 1.5 + 2)
 
 
 def test_requests_without_a_key_go_to_the_least_loaded():

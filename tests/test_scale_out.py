@@ -1,15 +1,20 @@
 """Several engine replicas behind PrefixAffinityRouter, for real: Ray Serve on CPU, real
 HTTP, the tiny checkpoint. Each prompt is a list of token ids, so its key is known here:
 a prefix's requests all land on its rendezvous first choice, a burst on one prefix spills
-to its second choice within the load bound, replicas added or removed mid-run take or hand
-over keys without a failed request, and the router's metrics reach Prometheus."""
+to its second choice within the load bound (as the replicas' own load logs show), two
+routers in two processes agree and stay within it together, replicas added or removed
+mid-run take or hand over keys without a failed request, and the router's metrics reach
+Prometheus."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import os
 import random
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -20,7 +25,10 @@ import ray
 from ray import serve
 
 from deployments.app import make_app
+from deployments.engine_load import LOAD_LOG_DIR_ENV, read_load_logs
 from deployments.prefix_routing import prefix_key, rendezvous_order
+from engine import SamplingParams
+from loadtest.load_balance import arrival_loads
 from tests.serve_helpers import free_port, running_app
 from tests.test_observability import scrape_until
 
@@ -47,7 +55,17 @@ def engine_options(num_replicas: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_gpt2_dir: Path) -> Iterator[tuple[str, str]]:
+def load_log_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Engine replicas log their load here (deployments/engine_load.py), inheriting the
+    variable from this process, which starts Ray."""
+    directory = tmp_path_factory.mktemp("load-logs")
+    os.environ[LOAD_LOG_DIR_ENV] = str(directory)
+    yield directory
+    del os.environ[LOAD_LOG_DIR_ENV]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_gpt2_dir: Path, load_log_dir: Path) -> Iterator[tuple[str, str]]:
     metrics_port = free_port()
     with running_app(make_app(app_args(tiny_gpt2_dir), engine_options(2)), APP, _metrics_export_port=metrics_port,
                      _system_config={"metrics_report_interval_ms": 500}) as url:
@@ -99,18 +117,22 @@ def test_each_prefix_goes_to_its_first_choice_and_hits_its_cache(server):
     assert sum(s["num_prefix_hit_tokens"] for s in stats) >= 6 * 2 * 5 * BLOCK
 
 
-def test_a_burst_on_one_prefix_spills_to_its_second_choice_within_the_bound(server):
+def test_a_burst_on_one_prefix_spills_to_its_second_choice_within_the_bound(server, load_log_dir):
     base_url, metrics_url = server
     rng = random.Random(1)
     prefix = random_prompt(rng, 5 * BLOCK)
     order = rendezvous_order(prefix_key(prefix, BLOCK, KEY_BLOCKS), list(engine_replicas()))
-    before = served()
+    before, started = served(), time.time()
     with httpx.Client(base_url=base_url, timeout=120) as client, ThreadPoolExecutor(24) as pool:
         list(pool.map(lambda _: complete(client, prefix + random_prompt(rng, 8), max_tokens=48), range(24)))
     counts = new_requests(before)
     assert sum(counts.values()) == 24
     assert counts[order[1]] >= 1, counts  # the load bound sent some to the second choice
     assert counts[order[0]] >= counts[order[1]], counts  # and affinity kept the most at home
+    # As the replicas saw it: no arrival left its replica past (1 + EPS) x the mean load
+    # (beyond the few milliseconds in which requests routed at once arrive in any order).
+    loads = arrival_loads(read_load_logs(load_log_dir, started), EPS)
+    assert (loads.num_arrivals, loads.num_over_bound_lasting) == (24, 0), loads
     at_least = lambda n: lambda v: v >= n  # noqa: E731
     scrape_until(metrics_url, {
         ("ray_rayinfer_router_routed_requests_total", ("decision", "spill")): at_least(1),
@@ -118,6 +140,51 @@ def test_a_burst_on_one_prefix_spills_to_its_second_choice_within_the_bound(serv
         ("ray_rayinfer_router_engine_replicas",): lambda v: v == 2,
         ("ray_rayinfer_engine_replica_prefix_cache_hit_rate", ("engine_replica", order[0])): lambda v: v > 0,
     })
+
+
+@ray.remote(num_cpus=0.05)
+class Caller:
+    """A process with its own handle, so its own PrefixAffinityRouter: what each ingress
+    replica is to the engine deployment."""
+
+    def __init__(self) -> None:
+        self._handle = serve.get_deployment_handle("EngineDeployment", APP).options(stream=True)
+
+    async def complete(self, prompts: list[list[int]], max_tokens: int) -> list[str | None]:
+        """Every prompt at once; each one's finish reason."""
+        return list(await asyncio.gather(*(self._one(prompt, max_tokens) for prompt in prompts)))
+
+    async def _one(self, prompt: list[int], max_tokens: int) -> str | None:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        chunks = [chunk async for chunk in self._handle.generate.remote(uuid.uuid4().hex, prompt, params)]
+        return chunks[-1].finish_reason
+
+
+def test_two_routers_in_two_processes_agree_on_affinity_and_together_stay_within_the_bound(server, load_log_dir):
+    """Each router sees only its own requests at once and the replicas' last counts: each
+    prefix still lands on one replica whichever process routes it, and a burst from both
+    at once stays within the bound, since each bounds its own share."""
+    rng = random.Random(4)
+    callers = [Caller.remote(), Caller.remote()]
+    replica_ids = list(engine_replicas())
+    for _ in range(6):
+        prefix = random_prompt(rng, 5 * BLOCK)
+        first_choice = rendezvous_order(prefix_key(prefix, BLOCK, KEY_BLOCKS), replica_ids)[0]
+        for caller in callers + callers:
+            before = served()
+            assert ray.get(caller.complete.remote([prefix + random_prompt(rng, 8)], 2)) == ["length"]
+            assert new_requests(before) == {r: 1 if r == first_choice else 0 for r in replica_ids}
+    prefix = random_prompt(rng, 5 * BLOCK)
+    order = rendezvous_order(prefix_key(prefix, BLOCK, KEY_BLOCKS), replica_ids)
+    before, started = served(), time.time()
+    bursts = [caller.complete.remote([prefix + random_prompt(rng, 8) for _ in range(12)], 48) for caller in callers]
+    assert ray.get(bursts) == [["length"] * 12] * 2
+    for caller in callers:
+        ray.kill(caller)
+    counts = new_requests(before)
+    assert counts[order[0]] > counts[order[1]] >= 1, counts
+    loads = arrival_loads(read_load_logs(load_log_dir, started), EPS)
+    assert (loads.num_arrivals, loads.num_over_bound_lasting) == (24, 0), loads
 
 
 def test_replicas_added_and_removed_mid_run_take_over_keys_without_a_failed_request(server, tiny_gpt2_dir):
