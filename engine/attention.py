@@ -122,8 +122,8 @@ def compiled_decode_attention():
 def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
     """q: [B, Q, H, D] -> [B, Q, H, D], each row attending to its own blocks.
 
-    Plain matmuls with a float32 softmax: on CPU they beat SDPA's kernel by ~2x for short
-    queries against a mask, and they run unchanged on CUDA.
+    Plain matmuls with a float32 softmax: on CPU, SDPA's kernel is slower for short queries
+    against a mask (BENCHMARKS.md, session 1), and these run unchanged on CUDA.
     """
     keys = _gather(k_cache, group.block_tables)  # [H, B, L, D]
     values = _gather(v_cache, group.block_tables)
@@ -136,7 +136,8 @@ def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group
 def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
     """The blocks of each row, concatenated: [H, B, max_blocks * block_size, D].
 
-    index_select over whole blocks is ~3x faster on CPU than advanced indexing.
+    index_select copies whole blocks as rows, where advanced indexing goes element by
+    element on CPU (BENCHMARKS.md, session 1).
     """
     num_heads, num_blocks, block_size, head_dim = cache.shape
     batch, width = block_tables.shape
