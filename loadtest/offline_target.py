@@ -6,7 +6,7 @@ HTTP-through-Ray path is compared with.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine import AsyncEngine, EngineConfig
 from loadtest.engine_streams import measure
@@ -20,10 +20,12 @@ class OfflineTarget:
     weights: str = "random"
     dtype: str = "bfloat16"
     label: str = "offline engine"
+    engine: dict = field(default_factory=dict)  # other EngineConfig fields, e.g. a served config's `engine` args
 
 
 def run_offline(target: OfflineTarget, workload: Workload) -> BenchResult:
-    engine = AsyncEngine(EngineConfig(model=target.model, weights=target.weights, dtype=target.dtype, device="cpu"))
+    engine = AsyncEngine(EngineConfig(model=target.model, weights=target.weights, dtype=target.dtype, device="cpu",
+                                       **target.engine))
     try:
         return asyncio.run(measure(engine.generate, target.model, target.label, workload))
     finally:

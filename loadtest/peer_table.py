@@ -151,11 +151,12 @@ def _stop(process: subprocess.Popen, timeout_s: float = 60.0) -> None:
 def run_rayinfer(args: argparse.Namespace, workload: TableWorkload, cpu: dict) -> ServerRows:
     from loadtest.offline_target import OfflineTarget, run_offline
 
-    target = OfflineTarget(str(args.checkpoint.resolve()), weights="pretrained", dtype=args.dtype,
-                           label="rayinfer offline")
-    offline = None if args.skip_offline else run_offline(target, workload.offline())
     config = serve_config(args.config, args.checkpoint, args.dtype, json.loads(args.app_args),
                           json.loads(args.engine_env))
+    engine_args = config["applications"][0]["args"].get("engine", {})  # offline runs the engine the server runs
+    target = OfflineTarget(str(args.checkpoint.resolve()), weights="pretrained", dtype=args.dtype,
+                           label="rayinfer offline", engine=engine_args)
+    offline = None if args.skip_offline else run_offline(target, workload.offline())
     with serve_run(config):
         rows = measure_http("rayinfer", Target(RAYINFER_URL, "rayinfer", ignore_eos=True), workload, cpu)
     settle()
