@@ -1,7 +1,8 @@
 """Decode-only steps through the compiled whole-forward graph (`compile_decode: true`) give
 what the eager reference path gives, checked the way vLLM checks kernels against HF: greedy
 tokens equal, or at the first divergence each side's token within the other's top 5, with
-the logprobs of the agreed tokens close. Batches of one and of many (separate graphs)."""
+the logprobs of the agreed tokens close. The one graph is compiled while the engine is
+built, leaving no trace, and batches of one and of many then run on it without compiling."""
 
 from __future__ import annotations
 
@@ -23,21 +24,44 @@ def assert_logprobs_close(fast, reference, atol: float) -> None:
         assert abs(ours.logprob - theirs.logprob) < atol, f"logprob at {position}"
 
 
-def compare(model_dir, dtype: str, reference_linears: str, atol: float) -> None:
-    fast = LLM(str(model_dir), weights="pretrained", dtype=dtype, device="cpu", compile_decode=True)
+def num_compiled_graphs() -> int:
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def assert_untouched(engine) -> None:
+    """The engine as if nothing had run: every KV block free, no prefix cached, pools zero."""
+    blocks = engine.block_manager
+    assert blocks.num_free_blocks == blocks.num_blocks and not blocks.hash_to_block_id
+    assert not any(k.any() or v.any() for k, v in engine.runner.kv_caches)
+    assert engine.runner.decode_graph.num_steps == 0
+
+
+def compare(model_dir, dtype: str, reference_linears: str, atol: float, fast_linears: str = "auto") -> None:
+    before = num_compiled_graphs()
+    fast = LLM(str(model_dir), weights="pretrained", dtype=dtype, device="cpu", compile_decode=True,
+               linears=fast_linears)
+    compiled_at_start = num_compiled_graphs()
+    assert compiled_at_start == before + 1  # one graph, compiled during construction ...
+    assert_untouched(fast.engine)  # ... on scratch inputs that leave no trace
     reference = LLM(str(model_dir), weights="pretrained", dtype=dtype, device="cpu", linears=reference_linears)
     prompts = mixed_prompts(6)
-    # One at a time (batch-of-one graph), then all together (the dynamic-batch graph).
+    # One at a time (batch of one, one block then two), then all together.
     outputs = [fast.generate([p], GREEDY_TOP5)[0] for p in prompts[:2]] + fast.generate(prompts, GREEDY_TOP5)
     expected = [reference.generate([p], GREEDY_TOP5)[0] for p in prompts[:2]] + reference.generate(prompts, GREEDY_TOP5)
     for ours, theirs in zip(outputs, expected):
         assert_logprobs_close(ours, theirs, atol)
     assert fast.engine.runner.decode_graph.num_steps >= 2 * 15 + 15  # every decode-only step took the graph
+    assert num_compiled_graphs() == compiled_at_start  # and none compiled anything new
     fast.engine.check_integrity()
 
 
 def test_compiled_decode_matches_the_reference_path_in_fp32(tiny_gpt2_dir):
     compare(tiny_gpt2_dir, "float32", "reference", atol=1e-3)
+
+
+def test_compiled_decode_on_reference_linears_matches_the_reference_path_in_fp32(tiny_gpt2_dir):
+    # linears: reference leaves nn.Linear in the graph, for inductor to pack itself.
+    compare(tiny_gpt2_dir, "float32", "reference", atol=1e-3, fast_linears="reference")
 
 
 @pytest.mark.skipif(not cpu_features().can_pack(torch.bfloat16),
