@@ -33,6 +33,7 @@ KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
 class DecodeGraph:
     def __init__(self, model: GPT2LMHead, device: torch.device):
+        # freezing also lowers the prepacked linears: inductor takes their weights only as constants
         self._compiled = compile_for(device, model.decode, dynamic=True, freezing=True)
         self.num_steps = 0  # decode steps run through the graph
 

@@ -79,8 +79,9 @@ def variants(args: argparse.Namespace) -> list[tuple[str, dict]]:
     runs = [(f"linears={linears}", {"linears": linears}) for linears in args.linears]
     if args.compile_attention:
         runs.append(("linears=auto, compiled attention", {"linears": "auto", "compile_attention": True}))
-    if args.compile_decode:
-        runs.append(("compiled decode graph", {"compile_decode": True}))
+    if args.compile_decode:  # one per --linears: the graph runs the engine's own linears
+        runs += [(f"compiled decode graph, linears={linears}", {"linears": linears, "compile_decode": True})
+                 for linears in args.linears]
     return runs
 
 
