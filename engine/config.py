@@ -39,9 +39,11 @@ class EngineConfig:
     # tens of seconds in every process that runs an engine.
     compile_attention: bool = False
     # Decode-only steps through one torch.compile'd graph of the whole forward with the
-    # weights frozen in (engine/decode_graph.py); prefill and mixed steps stay eager, on
-    # F.linear (the graph prepacks its own copy of the linears, so none are packed eagerly).
-    # Off by default: every process compiles at its first decode steps (about a minute).
+    # weights frozen in (engine/decode_graph.py), on the same linears as the eager prefill
+    # and mixed steps. The graph compiles while the engine is built (tens of seconds, every
+    # process: freezing keeps it out of inductor's on-disk cache); where it cannot compile,
+    # decode steps stay eager, with a warning. Off by default so that tests and scripts
+    # start at once; configs/gpt2.yaml turns it on.
     compile_decode: bool = False
     seed: int = 0
     block_size: int = 16

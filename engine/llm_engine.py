@@ -51,8 +51,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         graph = DecodeGraph(model, config.torch_device) if config.compile_decode else None
         self.runner = ModelRunner(model, num_blocks, config.block_size, config.seed, config.compile_attention, graph)
-        if graph is not None:  # compiled now, not inside the first requests
-            graph.warm_up(self.runner.kv_caches, min(config.max_num_seqs, _TYPICAL_DECODE_BATCH))
+        if graph is not None:
+            self.runner.decode_graph = self._warm_up(graph)
         self._seqs: dict[str, Sequence] = {}
         self._num_prompt_tokens = 0
         self._num_generated_tokens = 0
@@ -167,6 +167,16 @@ class LLMEngine:
     def check_integrity(self) -> None:
         """Assert the KV pool's invariants against the live sequences (tests call this)."""
         self.block_manager.check_integrity(list(self._seqs.values()))
+
+    def _warm_up(self, graph: DecodeGraph) -> DecodeGraph | None:
+        """The graph compiled now, not inside the first requests; None (eager decode steps,
+        logged) where it cannot compile here, e.g. no C++ compiler for inductor."""
+        try:
+            graph.warm_up(self.runner.kv_caches, min(self.config.max_num_seqs, _TYPICAL_DECODE_BATCH))
+        except Exception as exc:  # noqa: BLE001 - any compile failure: serve on the eager path
+            logger.warning("compile_decode: the decode graph did not compile (%r); decode steps run eagerly", exc)
+            return None
+        return graph
 
     def _num_kv_blocks(self, model: GPT2LMHead) -> int:
         config = self.config

@@ -11,6 +11,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.cpu import cpu_features
+from engine.decode_graph import DecodeGraph
 from tests.engine_helpers import mixed_prompts
 
 GREEDY_TOP5 = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=5)
@@ -70,3 +71,18 @@ def test_compiled_decode_matches_the_eager_path_in_bf16(tiny_gpt2_dir):
     # Inductor's fused kernels keep LayerNorm, GELU and residuals in fp32 where eager rounds
     # each to bf16, so logits differ by a bf16 step or two (0.0625 at this model's logit size).
     compare(tiny_gpt2_dir, "bfloat16", "auto", atol=0.15)
+
+
+def test_a_graph_that_cannot_compile_leaves_decode_steps_eager(tiny_gpt2_dir, monkeypatch, caplog):
+    def no_compiler(*_args):
+        raise RuntimeError("no C++ compiler")  # the fault: what inductor raises without one
+
+    monkeypatch.setattr(DecodeGraph, "warm_up", no_compiler)
+    fast = LLM(str(tiny_gpt2_dir), weights="pretrained", dtype="float32", device="cpu", compile_decode=True,
+               linears="reference")
+    assert fast.engine.runner.decode_graph is None
+    assert "decode steps run eagerly" in caplog.text
+    reference = LLM(str(tiny_gpt2_dir), weights="pretrained", dtype="float32", device="cpu", linears="reference")
+    prompts = mixed_prompts(3)
+    assert [o.token_ids for o in fast.generate(prompts, GREEDY_TOP5)] == \
+        [o.token_ids for o in reference.generate(prompts, GREEDY_TOP5)]
