@@ -49,7 +49,7 @@ class LLMEngine:
         num_blocks = self._num_kv_blocks(model)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        graph = DecodeGraph(model, config.torch_device) if config.compile_decode else None
+        graph = DecodeGraph(model, config.torch_device) if config.decode_compiled else None
         self.runner = ModelRunner(model, num_blocks, config.block_size, config.seed, config.compile_attention, graph)
         if graph is not None:
             self.runner.decode_graph = self._warm_up(graph)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from engine import LLM, EngineConfig, SamplingParams
 from engine.cpu import cpu_features
 from engine.decode_graph import DecodeGraph
 from tests.engine_helpers import mixed_prompts
@@ -86,3 +86,12 @@ def test_a_graph_that_cannot_compile_leaves_decode_steps_eager(tiny_gpt2_dir, mo
     prompts = mixed_prompts(3)
     assert [o.token_ids for o in fast.generate(prompts, GREEDY_TOP5)] == \
         [o.token_ids for o in reference.generate(prompts, GREEDY_TOP5)]
+
+
+def test_compile_decode_auto_compiles_bf16_on_cpu_only():
+    assert EngineConfig(dtype="bfloat16", device="cpu", compile_decode="auto").decode_compiled
+    assert not EngineConfig(dtype="float32", device="cpu", compile_decode="auto").decode_compiled
+    assert EngineConfig(dtype="float32", device="cpu", compile_decode=True).decode_compiled
+    assert not EngineConfig(dtype="bfloat16", device="cpu").decode_compiled
+    with pytest.raises(ValueError, match="compile_decode must be true, false or auto"):
+        EngineConfig(compile_decode="yes")
