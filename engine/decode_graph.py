@@ -59,6 +59,7 @@ class DecodeGraph:
             torch._dynamo.mark_static(v_cache)
         batch = max(batch, 2)
         width = 5 if batch == 4 else 4
+
         def zeros(*shape: int) -> torch.Tensor:  # distinct tensors: dynamo guards on aliasing
             return torch.zeros(shape, dtype=torch.int64, device=kv_caches[0][0].device)
 
