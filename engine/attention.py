@@ -86,12 +86,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     lookup into both reductions: compiled, it reads the pools in place and never
     materialises the gathered blocks that _attend copies for every layer.
     """
-    keys = k_cache[:, block_tables].flatten(2, 3)  # [H, B, L, D]
-    values = v_cache[:, block_tables].flatten(2, 3)
-    queries = q.transpose(0, 1).float().unsqueeze(2)  # [H, B, 1, D]
-    scores = (queries * keys.float()).sum(-1) * q.shape[-1] ** -0.5  # [H, B, L]
-    probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
-    return (probs.unsqueeze(-1) * values.float()).sum(2).to(q.dtype).transpose(0, 1)
+    queries = q.transpose(0, 1).float()  # [H, B, D]
+    probs = _cached_scores(queries, k_cache, block_tables, mask).softmax(dim=-1)
+    return _weighted_values(probs, v_cache, block_tables).to(q.dtype).transpose(0, 1)
 
 
 def decode_attention_with_own(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -102,15 +99,27 @@ def decode_attention_with_own(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     Leaves the pools unwritten, so a compiled graph of the whole decode forward stays free
     of mutation (the caller writes k, v after it).
     """
-    scale = q.shape[-1] ** -0.5
-    keys = k_cache[:, block_tables].flatten(2, 3)  # [H, B, L, D]
-    values = v_cache[:, block_tables].flatten(2, 3)
     queries = q.transpose(0, 1).float()  # [H, B, D]
-    cached = ((queries.unsqueeze(2) * keys.float()).sum(-1) * scale).masked_fill(~mask, float("-inf"))
-    own = (queries * k.transpose(0, 1).float()).sum(-1, keepdim=True) * scale  # [H, B, 1]
+    cached = _cached_scores(queries, k_cache, block_tables, mask)
+    own = (queries * k.transpose(0, 1).float()).sum(-1, keepdim=True) * q.shape[-1] ** -0.5  # [H, B, 1]
     probs = torch.cat([cached, own], dim=-1).softmax(dim=-1)
-    out = (probs[..., :-1].unsqueeze(-1) * values.float()).sum(2) + probs[..., -1:] * v.transpose(0, 1).float()
+    out = _weighted_values(probs[..., :-1], v_cache, block_tables) + probs[..., -1:] * v.transpose(0, 1).float()
     return out.to(q.dtype).transpose(0, 1)
+
+
+def _cached_scores(queries: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor,
+                   mask: torch.Tensor) -> torch.Tensor:
+    """Scaled float32 scores [H, B, L] of queries [H, B, D] against each row's blocks, -inf
+    where the mask [B, L] says not to attend."""
+    keys = k_cache[:, block_tables].flatten(2, 3)  # [H, B, L, D]
+    scores = (queries.unsqueeze(2) * keys.float()).sum(-1) * queries.shape[-1] ** -0.5
+    return scores.masked_fill(~mask, float("-inf"))
+
+
+def _weighted_values(probs: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    """float32 [H, B, D]: each row's blocks of values weighted by probs [H, B, L]."""
+    values = v_cache[:, block_tables].flatten(2, 3)  # [H, B, L, D]
+    return (probs.unsqueeze(-1) * values.float()).sum(2)
 
 
 @functools.cache

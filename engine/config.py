@@ -39,10 +39,14 @@ class EngineConfig:
     # tens of seconds in every process that runs an engine.
     compile_attention: bool = False
     # Decode-only steps through one torch.compile'd graph of the whole forward with the
-    # weights frozen in (engine/decode_graph.py); prefill and mixed steps stay eager, on
-    # F.linear (the graph prepacks its own copy of the linears, so none are packed eagerly).
-    # Off by default: every process compiles at its first decode steps (about a minute).
-    compile_decode: bool = False
+    # weights frozen in (engine/decode_graph.py), on the same linears as the eager prefill
+    # and mixed steps. The graph compiles while the engine is built (tens of seconds, every
+    # process: freezing keeps it out of inductor's on-disk cache); where it cannot compile,
+    # decode steps stay eager, with a warning. auto: on for bf16 on CPU, where it pays most
+    # (BENCHMARKS.md, "The whole decode forward compiled"); fp32 gains less at 32 sequences
+    # and lost at one on emulated AVX2. Off by default so that tests and scripts start at
+    # once; configs/gpt2.yaml sets auto.
+    compile_decode: bool | Literal["auto"] = False
     seed: int = 0
     block_size: int = 16
     # KV pool size: a block count wins over a memory budget; neither means "fit max_num_seqs
@@ -63,6 +67,8 @@ class EngineConfig:
         check_weights_mode(self.weights)
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
+        if self.compile_decode not in (True, False, "auto"):
+            raise ValueError(f"compile_decode must be true, false or auto, got {self.compile_decode!r}")
         if self.linears not in ("auto", "reference"):
             raise ValueError(f"linears must be auto or reference, got {self.linears!r}")
         if not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
@@ -96,6 +102,13 @@ class EngineConfig:
         if self.torch_device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
         return torch.bfloat16 if cpu_features().has_fast_bf16 else torch.float32
+
+    @cached_property
+    def decode_compiled(self) -> bool:
+        """Whether decode-only steps run through the compiled graph (compile_decode resolved)."""
+        if self.compile_decode == "auto":
+            return self.torch_device.type == "cpu" and self.torch_dtype == torch.bfloat16
+        return bool(self.compile_decode)
 
     @cached_property
     def cpu_threads(self) -> int:

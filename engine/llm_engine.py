@@ -27,6 +27,7 @@ logger = logging.getLogger(__name__)
 
 _DEFAULT_CPU_KV_GB = 2.0
 _GPU_KV_FRACTION = 0.8  # of the memory free after loading weights
+_TYPICAL_DECODE_BATCH = 32  # the rows the decode graph is compiled at (its heuristics' hint)
 
 
 class LLMEngine:
@@ -36,8 +37,7 @@ class LLMEngine:
         if config.torch_device.type == "cpu":
             torch.set_num_threads(config.cpu_threads)
         source = resolve_model(config.model, config.weights)
-        linears = "reference" if config.compile_decode else config.linears
-        model = build_model(source, config.torch_dtype, config.torch_device, config.seed, linears)
+        model = build_model(source, config.torch_dtype, config.torch_device, config.seed, config.linears)
         hf = source.config
         self.max_model_len = min(config.max_model_len or hf.n_positions, hf.n_positions)
         self.eos_token_id = hf.eos_token_id if hf.eos_token_id is not None else hf.vocab_size - 1
@@ -49,8 +49,10 @@ class LLMEngine:
         num_blocks = self._num_kv_blocks(model)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        graph = DecodeGraph(model, config.torch_device) if config.compile_decode else None
+        graph = DecodeGraph(model, config.torch_device) if config.decode_compiled else None
         self.runner = ModelRunner(model, num_blocks, config.block_size, config.seed, config.compile_attention, graph)
+        if graph is not None:
+            self.runner.decode_graph = self._warm_up(graph)
         self._seqs: dict[str, Sequence] = {}
         self._num_prompt_tokens = 0
         self._num_generated_tokens = 0
@@ -165,6 +167,16 @@ class LLMEngine:
     def check_integrity(self) -> None:
         """Assert the KV pool's invariants against the live sequences (tests call this)."""
         self.block_manager.check_integrity(list(self._seqs.values()))
+
+    def _warm_up(self, graph: DecodeGraph) -> DecodeGraph | None:
+        """The graph compiled now, not inside the first requests; None (eager decode steps,
+        logged) where it cannot compile here, e.g. no C++ compiler for inductor."""
+        try:
+            graph.warm_up(self.runner.kv_caches, min(self.config.max_num_seqs, _TYPICAL_DECODE_BATCH))
+        except Exception as exc:  # noqa: BLE001 - any compile failure: serve on the eager path
+            logger.warning("compile_decode: the decode graph did not compile (%r); decode steps run eagerly", exc)
+            return None
+        return graph
 
     def _num_kv_blocks(self, model: GPT2LMHead) -> int:
         config = self.config

@@ -8,8 +8,8 @@ of the whole batch, and one sequence's time per token, against their matmuls alo
 "Matmuls alone" runs the engine's own linear modules (prepacked or F.linear, as the engine
 built them) on inputs of the step's row counts: one prefill of every prompt, then
 max_tokens - 1 decode steps of num_requests rows. It is the time no scheduling, attention,
-layer norm or sampling could go below. For `compile_decode` (whose graph prepacks its own
-linears) it is a prepacked copy of the model's linears.
+layer norm or sampling could go below. `compile_decode`'s graph runs the engine's own
+linears too. Each engine's construction time (compile_decode compiles in it) is printed.
 """
 
 from __future__ import annotations
@@ -21,8 +21,7 @@ import time
 import torch
 
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine, build_model
-from engine.loader import resolve_model
+from engine.llm_engine import LLMEngine
 from engine.models.gpt2 import GPT2LMHead
 from engine.sampling_params import SamplingParams
 from loadtest.engine_bench import Result, decode_ms_per_token, hf_model, make_prompts, run_engine, run_hf
@@ -80,25 +79,16 @@ def variants(args: argparse.Namespace) -> list[tuple[str, dict]]:
     runs = [(f"linears={linears}", {"linears": linears}) for linears in args.linears]
     if args.compile_attention:
         runs.append(("linears=auto, compiled attention", {"linears": "auto", "compile_attention": True}))
-    if args.compile_decode:
-        runs.append(("compiled decode graph", {"compile_decode": True}))
+    if args.compile_decode:  # one per --linears: the graph runs the engine's own linears
+        runs += [(f"compiled decode graph, linears={linears}", {"linears": linears, "compile_decode": True})
+                 for linears in args.linears]
     return runs
-
-
-def ceiling_model(engine: LLMEngine) -> GPT2LMHead:
-    """The model whose linears are the ceiling: the engine's own, or for compile_decode (whose
-    eager linears stay F.linear; its graph prepacks its own) a prepacked copy."""
-    config = engine.config
-    if not config.compile_decode:
-        return engine.runner.model
-    source = resolve_model(config.model, "random")
-    return build_model(source, config.torch_dtype, config.torch_device, config.seed, "auto")
 
 
 def warm_up(engine: LLMEngine, prompts: list[list[int]]) -> None:
     """Compile (where the engine compiles) for the shapes the timed runs meet, outside them."""
     run_engine(engine, prompts[:4], 4, "warm-up")
-    if engine.config.compile_attention or engine.config.compile_decode:
+    if engine.config.compile_attention:
         run_engine(engine, prompts, 3, "warm-up")
         run_engine(engine, prompts[:1], 20, "warm-up")
 
@@ -117,11 +107,13 @@ def main() -> None:
     rows, steps = [], []
     for label, fields in variants(args):
         config = EngineConfig(model=args.model, weights="random", dtype=args.dtype, device="cpu", **fields)
+        start = time.perf_counter()
         engine = LLMEngine(config)
+        print(f"engine, {label}: constructed in {time.perf_counter() - start:.1f} s", flush=True)
         prompts = make_prompts(args.num_requests, args.prompt_len, engine.model_info.vocab_size)
         warm_up(engine, prompts)
         rows.append(run_engine(engine, prompts, args.max_tokens, f"engine, {label}"))
-        model = ceiling_model(engine)
+        model = engine.runner.model
         rows.append(matmuls_alone(model, args.num_requests, args.prompt_len, args.max_tokens))
         rows[-1].name += f", {label}"
         steps.append((label, decode_step_ms(engine, prompts, 16), linears_ms(model, args.num_requests, repeats=9),

@@ -1,15 +1,17 @@
 """Decode-only steps through the compiled whole-forward graph (`compile_decode: true`) give
 what the eager reference path gives, checked the way vLLM checks kernels against HF: greedy
 tokens equal, or at the first divergence each side's token within the other's top 5, with
-the logprobs of the agreed tokens close. Batches of one and of many (separate graphs)."""
+the logprobs of the agreed tokens close. The one graph is compiled while the engine is
+built, leaving no trace, and batches of one and of many then run on it without compiling."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from engine import LLM, EngineConfig, SamplingParams
 from engine.cpu import cpu_features
+from engine.decode_graph import DecodeGraph
 from tests.engine_helpers import mixed_prompts
 
 GREEDY_TOP5 = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=5)
@@ -23,21 +25,44 @@ def assert_logprobs_close(fast, reference, atol: float) -> None:
         assert abs(ours.logprob - theirs.logprob) < atol, f"logprob at {position}"
 
 
-def compare(model_dir, dtype: str, reference_linears: str, atol: float) -> None:
-    fast = LLM(str(model_dir), weights="pretrained", dtype=dtype, device="cpu", compile_decode=True)
+def num_compiled_graphs() -> int:
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def assert_untouched(engine) -> None:
+    """The engine as if nothing had run: every KV block free, no prefix cached, pools zero."""
+    blocks = engine.block_manager
+    assert blocks.num_free_blocks == blocks.num_blocks and not blocks.hash_to_block_id
+    assert not any(k.any() or v.any() for k, v in engine.runner.kv_caches)
+    assert engine.runner.decode_graph.num_steps == 0
+
+
+def compare(model_dir, dtype: str, reference_linears: str, atol: float, fast_linears: str = "auto") -> None:
+    before = num_compiled_graphs()
+    fast = LLM(str(model_dir), weights="pretrained", dtype=dtype, device="cpu", compile_decode=True,
+               linears=fast_linears)
+    compiled_at_start = num_compiled_graphs()
+    assert compiled_at_start == before + 1  # one graph, compiled during construction ...
+    assert_untouched(fast.engine)  # ... on scratch inputs that leave no trace
     reference = LLM(str(model_dir), weights="pretrained", dtype=dtype, device="cpu", linears=reference_linears)
     prompts = mixed_prompts(6)
-    # One at a time (batch-of-one graph), then all together (the dynamic-batch graph).
+    # One at a time (batch of one, one block then two), then all together.
     outputs = [fast.generate([p], GREEDY_TOP5)[0] for p in prompts[:2]] + fast.generate(prompts, GREEDY_TOP5)
     expected = [reference.generate([p], GREEDY_TOP5)[0] for p in prompts[:2]] + reference.generate(prompts, GREEDY_TOP5)
     for ours, theirs in zip(outputs, expected):
         assert_logprobs_close(ours, theirs, atol)
     assert fast.engine.runner.decode_graph.num_steps >= 2 * 15 + 15  # every decode-only step took the graph
+    assert num_compiled_graphs() == compiled_at_start  # and none compiled anything new
     fast.engine.check_integrity()
 
 
 def test_compiled_decode_matches_the_reference_path_in_fp32(tiny_gpt2_dir):
     compare(tiny_gpt2_dir, "float32", "reference", atol=1e-3)
+
+
+def test_compiled_decode_on_reference_linears_matches_the_reference_path_in_fp32(tiny_gpt2_dir):
+    # linears: reference leaves nn.Linear in the graph, for inductor to pack itself.
+    compare(tiny_gpt2_dir, "float32", "reference", atol=1e-3, fast_linears="reference")
 
 
 @pytest.mark.skipif(not cpu_features().can_pack(torch.bfloat16),
@@ -46,3 +71,27 @@ def test_compiled_decode_matches_the_eager_path_in_bf16(tiny_gpt2_dir):
     # Inductor's fused kernels keep LayerNorm, GELU and residuals in fp32 where eager rounds
     # each to bf16, so logits differ by a bf16 step or two (0.0625 at this model's logit size).
     compare(tiny_gpt2_dir, "bfloat16", "auto", atol=0.15)
+
+
+def test_a_graph_that_cannot_compile_leaves_decode_steps_eager(tiny_gpt2_dir, monkeypatch, caplog):
+    def no_compiler(*_args):
+        raise RuntimeError("no C++ compiler")  # the fault: what inductor raises without one
+
+    monkeypatch.setattr(DecodeGraph, "warm_up", no_compiler)
+    fast = LLM(str(tiny_gpt2_dir), weights="pretrained", dtype="float32", device="cpu", compile_decode=True,
+               linears="reference")
+    assert fast.engine.runner.decode_graph is None
+    assert "decode steps run eagerly" in caplog.text
+    reference = LLM(str(tiny_gpt2_dir), weights="pretrained", dtype="float32", device="cpu", linears="reference")
+    prompts = mixed_prompts(3)
+    assert [o.token_ids for o in fast.generate(prompts, GREEDY_TOP5)] == \
+        [o.token_ids for o in reference.generate(prompts, GREEDY_TOP5)]
+
+
+def test_compile_decode_auto_compiles_bf16_on_cpu_only():
+    assert EngineConfig(dtype="bfloat16", device="cpu", compile_decode="auto").decode_compiled
+    assert not EngineConfig(dtype="float32", device="cpu", compile_decode="auto").decode_compiled
+    assert EngineConfig(dtype="float32", device="cpu", compile_decode=True).decode_compiled
+    assert not EngineConfig(dtype="bfloat16", device="cpu").decode_compiled
+    with pytest.raises(ValueError, match="compile_decode must be true, false or auto"):
+        EngineConfig(compile_decode="yes")

@@ -72,7 +72,9 @@ class GPT2LMHead(nn.Module):
         h = self.wte(input_ids) + self.wpe(positions)
         for block, kv_cache in zip(self.h, kv_caches):
             h = block(h, kv_cache, meta)
-        h = self.ln_f(h[logits_indices])
+        return self._logits(self.ln_f(h[logits_indices]))
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
         logits = F.linear(h, self.wte.weight) if self.lm_head is None else self.lm_head(h)
         return logits.float()
 
@@ -89,8 +91,7 @@ class GPT2LMHead(nn.Module):
             h, k, v = block.decode(h, kv_cache, block_tables, mask)
             new_keys.append(k)
             new_values.append(v)
-        logits = F.linear(self.ln_f(h), self.wte.weight)
-        return logits.float(), torch.stack(new_keys), torch.stack(new_values)
+        return self._logits(self.ln_f(h)), torch.stack(new_keys), torch.stack(new_values)
 
     def pack_linears(self) -> None:
         """Prepack the projections and the LM head for oneDNN (bf16 on CPU, see
