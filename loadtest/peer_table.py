@@ -25,7 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -47,9 +47,10 @@ class TableWorkload:
     max_tokens: int = 64
     num_single: int = 16  # requests sent one at a time
     warmup: int = 2
+    num_concurrent: int | None = None  # requests of the concurrent run; None: 2 x streams
 
     def concurrent(self) -> Workload:
-        return Workload(num_requests=2 * self.streams, prompt_tokens=self.prompt_tokens, max_tokens=self.max_tokens,
+        return Workload(num_requests=self.num_concurrent or 2 * self.streams, prompt_tokens=self.prompt_tokens, max_tokens=self.max_tokens,
                         concurrency=self.streams, warmup=self.warmup)
 
     def single(self) -> Workload:
@@ -117,8 +118,8 @@ def serve_config(base: Path, checkpoint: Path, dtype: str, app_args: dict, engin
 
 
 @contextlib.contextmanager
-def serve_run(config: dict, timeout_s: float = 300.0) -> Iterator[int]:
-    """`serve run` on `config` in its own session; yields its pid once /health answers 200."""
+def serve_run(config: dict, timeout_s: float = 300.0, app_urls: Sequence[str] = (RAYINFER_URL,)) -> Iterator[int]:
+    """`serve run` on `config` in its own session; yields its pid once every app's /health answers 200."""
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as file:
         yaml.safe_dump(config, file)
     log = open(Path(file.name).with_suffix(".log"), "wb")  # noqa: SIM115 - closed below
@@ -126,7 +127,7 @@ def serve_run(config: dict, timeout_s: float = 300.0) -> Iterator[int]:
                                start_new_session=True)
     try:
         deadline = time.monotonic() + timeout_s
-        while not is_healthy(RAYINFER_URL):
+        while not all(is_healthy(url) for url in app_urls):
             if process.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"serve run did not become healthy; see {log.name}")
             time.sleep(1.0)
