@@ -66,12 +66,6 @@ class AsyncEngine:
     def waiting_work(self) -> tuple[int, int]:
         """Requests admitted but not yet past their first token, and their prompt tokens:
         what the overload bounds count. Call from the event loop that runs generate."""
-        waiting = [s.num_prompt_tokens for s in self._streams.values() if s.is_waiting]
-        return len(waiting), sum(waiting)
-
-    def waiting_work(self) -> tuple[int, int]:
-        """Requests admitted but not yet past their first token, and their prompt tokens:
-        what the overload bounds count. Call from the event loop that runs generate."""
         waiting = [s for s in self._streams.values() if s.is_waiting]
         return len(waiting), sum(s.num_prompt_tokens for s in waiting)
 

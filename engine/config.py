@@ -44,8 +44,9 @@ class EngineConfig:
     # process: freezing keeps it out of inductor's on-disk cache); where it cannot compile,
     # decode steps stay eager, with a warning. auto: on for bf16 on CPU, where it pays most
     # (BENCHMARKS.md, "The whole decode forward compiled"); fp32 gains less at 32 sequences
-    # and lost at one on emulated AVX2. Off by default so that tests and scripts start at
-    # once; configs/gpt2.yaml sets auto.
+    # and lost at one on emulated AVX2. The sampler's draw (argmax, or softmax and an
+    # inverse-CDF draw) compiles with it, so a sampled step leaves eager ATen too. Off by
+    # default so that tests and scripts start at once; configs/gpt2.yaml sets auto.
     compile_decode: bool | Literal["auto"] = False
     seed: int = 0
     block_size: int = 16

@@ -5,8 +5,12 @@ residual adds fused around the linears, and the paged pools read in place by the
 oneDNN-prepacked ones (`linears: auto`), which eager prefill steps share, or nn.Linear
 (`linears: reference`), which inductor packs itself.
 
-The graph is pure: it returns each layer's new k, v and the pools are written after it, so
-the compiled code never copies or mutates a pool, and a warm-up call leaves no trace.
+The graph is pure: it takes the runner's one KV pool, returns every layer's new k, v already
+in the pool's head-major order, and one index_copy_ writes them all after it (a write per
+layer and pool costs more in dispatch than in bytes). So the compiled code never copies or
+mutates the pool, and a warm-up call leaves no trace. It also returns each row's greedy
+token: an argmax fused with the logits' conversion to float32, where ATen's argmax over the
+vocabulary is a slow, unvectorised pass of its own.
 
 One graph for every step: batch and block-table width are dynamic, and padded to at least
 2, because dynamo specialises a size of 1 into a graph of its own (four graphs, each
@@ -17,57 +21,74 @@ warm_up compiles that one graph before the engine serves.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 
 import torch
 
-from engine.attention import write_kv
 from engine.inductor import compile_for
 from engine.models.gpt2 import GPT2LMHead
 
 logger = logging.getLogger(__name__)
 
-KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+
+def layer_caches(kv_pool: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The per-layer (k, v) views of a pool [n_layer, 2, H, num_blocks, block_size, D]."""
+    return [(layer[0], layer[1]) for layer in kv_pool.unbind(0)]
+
+
+def write_new_kv(kv_pool: torch.Tensor, new_kv: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """new_kv [n_layer * 2 * H, B, D] (decode_step's order) into each row's slot, every layer at once."""
+    num_layers, _, num_heads, num_blocks, block_size, head_dim = kv_pool.shape
+    rows = kv_pool.view(num_layers * 2 * num_heads, num_blocks * block_size, head_dim)
+    rows.index_copy_(1, slot_mapping, new_kv)
+
+
+def decode_step(model: GPT2LMHead, input_ids: torch.Tensor, positions: torch.Tensor, kv_pool: torch.Tensor,
+                block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What the graph computes: float32 logits [B, vocab], greedy tokens [B] and the new
+    k, v of every layer as [n_layer * 2 * H, B, D], the pool's row order."""
+    logits, keys, values = model.decode(input_ids, positions, layer_caches(kv_pool), block_tables)
+    new_kv = torch.stack([keys, values], dim=1).permute(0, 1, 3, 2, 4)  # [n_layer, 2, H, B, D]
+    return logits, logits.argmax(dim=-1), new_kv.flatten(0, 2)
 
 
 class DecodeGraph:
     def __init__(self, model: GPT2LMHead, device: torch.device):
         # freezing also lowers the prepacked linears: inductor takes their weights only as constants
-        self._compiled = compile_for(device, model.decode, dynamic=True, freezing=True)
+        self._compiled = compile_for(device, functools.partial(decode_step, model), dynamic=True, freezing=True)
         self.num_steps = 0  # decode steps run through the graph
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: KVCaches,
-                 block_tables: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
-        """float32 logits [B, vocab], one row per sequence; the pools hold this step's k, v after."""
-        logits, keys, values = self._run(input_ids, positions, kv_caches, block_tables)
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_pool: torch.Tensor,
+                 block_tables: torch.Tensor, slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 logits [B, vocab] and greedy tokens [B], one row per sequence; the pool
+        holds this step's k, v after."""
+        logits, greedy, new_kv = self._run(input_ids, positions, kv_pool, block_tables)
         self.num_steps += 1
         with torch.inference_mode():
-            for (k_cache, v_cache), k, v in zip(kv_caches, keys, values):
-                write_kv(k, v, k_cache, v_cache, slot_mapping)
-        return logits
+            write_new_kv(kv_pool, new_kv, slot_mapping)
+        return logits, greedy
 
-    def warm_up(self, kv_caches: KVCaches, batch: int) -> None:
+    def warm_up(self, kv_pool: torch.Tensor, batch: int) -> None:
         """Compile the graph now, on scratch inputs that touch no pool, block or sequence.
 
         `batch` rows against 4 blocks (5 if batch is 4: dynamo gives equal sizes one
         symbol, which would tie batch to width); the rows are what inductor's heuristics
         (and its packing of `linears: reference` weights) take as typical.
         """
-        for k_cache, v_cache in kv_caches:
-            torch._dynamo.mark_static(k_cache)
-            torch._dynamo.mark_static(v_cache)
+        torch._dynamo.mark_static(kv_pool)
         batch = max(batch, 2)
         width = 5 if batch == 4 else 4
 
         def zeros(*shape: int) -> torch.Tensor:  # distinct tensors: dynamo guards on aliasing
-            return torch.zeros(shape, dtype=torch.int64, device=kv_caches[0][0].device)
+            return torch.zeros(shape, dtype=torch.int64, device=kv_pool.device)
 
         start = time.monotonic()
-        self._run(zeros(batch), zeros(batch), kv_caches, zeros(batch, width))
+        self._run(zeros(batch), zeros(batch), kv_pool, zeros(batch, width))
         logger.info("decode graph compiled in %.1f s", time.monotonic() - start)
 
-    def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: KVCaches,
+    def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_pool: torch.Tensor,
              block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The graph on inputs padded to at least 2 rows and 2 blocks, unpadded after.
 
@@ -81,5 +102,5 @@ class DecodeGraph:
         if batch < 2:
             input_ids, positions, block_tables = input_ids.repeat(2), positions.repeat(2), block_tables.repeat(2, 1)
         with torch.inference_mode():
-            logits, keys, values = self._compiled(input_ids, positions, kv_caches, block_tables)
-        return logits[:batch], keys[:, :batch], values[:, :batch]
+            logits, greedy, new_kv = self._compiled(input_ids, positions, kv_pool, block_tables)
+        return logits[:batch], greedy[:batch], new_kv[:, :batch]

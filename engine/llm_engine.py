@@ -19,6 +19,7 @@ from engine.models.gpt2 import GPT2LMHead
 from engine.packed_linear import can_pack
 from engine.outputs import EngineStats, ModelInfo, StepOutput
 from engine.request_rules import check_context, check_kv_blocks, check_params, check_prompt, check_request_id_free
+from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence
@@ -50,7 +51,8 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         graph = DecodeGraph(model, config.torch_device) if config.decode_compiled else None
-        self.runner = ModelRunner(model, num_blocks, config.block_size, config.seed, config.compile_attention, graph)
+        self.runner = ModelRunner(model, num_blocks, config.block_size, config.seed, config.compile_attention, graph,
+                                  compiled_sampler=graph is not None)
         if graph is not None:
             self.runner.decode_graph = self._warm_up(graph)
         self._seqs: dict[str, Sequence] = {}
@@ -169,12 +171,15 @@ class LLMEngine:
         self.block_manager.check_integrity(list(self._seqs.values()))
 
     def _warm_up(self, graph: DecodeGraph) -> DecodeGraph | None:
-        """The graph compiled now, not inside the first requests; None (eager decode steps,
-        logged) where it cannot compile here, e.g. no C++ compiler for inductor."""
+        """The graph and the sampler's draw compiled now, not inside the first requests; None
+        (eager decode steps and sampling, logged) where they cannot compile here, e.g. no C++
+        compiler for inductor."""
         try:
-            graph.warm_up(self.runner.kv_caches, min(self.config.max_num_seqs, _TYPICAL_DECODE_BATCH))
+            graph.warm_up(self.runner.kv_pool, min(self.config.max_num_seqs, _TYPICAL_DECODE_BATCH))
+            self.runner.sampler.warm_up(self.model_info.vocab_size)
         except Exception as exc:  # noqa: BLE001 - any compile failure: serve on the eager path
             logger.warning("compile_decode: the decode graph did not compile (%r); decode steps run eagerly", exc)
+            self.runner.sampler = Sampler(self.config.seed, self.config.torch_device)
             return None
         return graph
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.attention import AttentionGroup, AttentionMetadata
-from engine.decode_graph import DecodeGraph
+from engine.decode_graph import DecodeGraph, layer_caches
 from engine.logits_controls import LogitsControls
 from engine.logprobs import PromptScoring, TokenLogprob, token_logprobs
 from engine.models.gpt2 import GPT2LMHead
@@ -34,7 +34,7 @@ def _samples(seq: Sequence, num_new: int) -> bool:
 
 class ModelRunner:
     def __init__(self, model: GPT2LMHead, num_blocks: int, block_size: int, seed: int, fused_decode: bool = False,
-                 decode_graph: DecodeGraph | None = None):
+                 decode_graph: DecodeGraph | None = None, compiled_sampler: bool = False):
         self.model = model
         self.decode_graph = decode_graph
         self.block_size = block_size
@@ -42,12 +42,12 @@ class ModelRunner:
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         config = model.config
-        shape = (config.n_head, num_blocks, block_size, config.n_embd // config.n_head)
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device))
-            for _ in range(config.n_layer)
-        ]
-        self.sampler = Sampler(seed, self.device)
+        # One tensor for every layer's k and v (the decode graph writes them all at once);
+        # the model reads and writes each layer's pair through views of it.
+        shape = (config.n_layer, 2, config.n_head, num_blocks, block_size, config.n_embd // config.n_head)
+        self.kv_pool = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.kv_caches = layer_caches(self.kv_pool)
+        self.sampler = Sampler(seed, self.device, compiled_sampler)
 
     @staticmethod
     def kv_bytes_per_block(model_config, block_size: int, dtype: torch.dtype) -> int:
@@ -71,25 +71,29 @@ class ModelRunner:
         indices = self._logits_indices(seqs, num_new)
         if scoring is not None:
             indices = torch.cat([self._tensor(scoring.flat_indices), indices])
-        logits = self._forward(inputs, indices)
+        logits, greedy = self._forward(inputs, indices)
         num_scored = 0 if scoring is None else len(scoring.flat_indices)
-        output = self._sample(sampling, logits[num_scored:])
+        output = self._sample(sampling, logits[num_scored:], None if greedy is None else greedy[num_scored:])
         if scoring is not None:
             output.prompt_logprobs = scoring.logprobs(logits[:num_scored], self.device)
         return output
 
-    def _forward(self, inputs, indices: torch.Tensor) -> torch.Tensor:
-        """Decode-only steps through the compiled graph where there is one, the rest eager."""
-        input_ids, positions, kv_caches, meta = inputs
+    def _forward(self, inputs, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits of the rows `indices` picks; decode-only steps run the compiled graph where
+        there is one, which also gives each row's greedy token (None from the eager path)."""
+        input_ids, positions, _, meta = inputs
         if self.decode_graph is None or meta.prefill is not None:
-            return self.model(*inputs, logits_indices=indices)
-        logits = self.decode_graph(input_ids, positions, kv_caches, meta.decode.block_tables, meta.slot_mapping)
-        return logits if len(indices) == len(input_ids) else logits[indices]
+            return self.model(*inputs, logits_indices=indices), None
+        logits, greedy = self.decode_graph(input_ids, positions, self.kv_pool, meta.decode.block_tables,
+                                           meta.slot_mapping)
+        if len(indices) == len(input_ids):
+            return logits, greedy
+        return logits[indices], greedy[indices]
 
-    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> ModelOutput:
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor, greedy: torch.Tensor | None) -> ModelOutput:
         if not seqs:
             return ModelOutput([], [], [])
-        tokens = self.sampler(logits, self._sampling_batch(seqs))
+        tokens = self.sampler(logits, self._sampling_batch(seqs), greedy)
         rows = [row for row, s in enumerate(seqs) if s.params.logprobs is not None]
         logprobs: list[TokenLogprob | None] = [None] * len(seqs)
         if rows:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.inductor import compile_for
 from engine.logits_controls import LogitsControls
 from engine.sampling_params import SamplingParams
 
@@ -50,26 +51,58 @@ class SamplingBatch:
         )
 
 
-class Sampler:
-    def __init__(self, seed: int, device: torch.device):
-        self.generator = torch.Generator(device=device).manual_seed(seed)
+def draw(logits: torch.Tensor, temperatures: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's argmax, and a token drawn from softmax(logits / temperature) at its uniform
+    [S, 1]. A few passes over [S, V] that torch.compile fuses into one or two kernels."""
+    probs = torch.softmax(logits / temperatures.unsqueeze(1), dim=-1)
+    return logits.argmax(dim=-1), _sample_inverse_cdf(probs, uniforms)
 
-    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """logits: float32 [S, V] -> token ids [S]. Never changes logits in place."""
+
+class Sampler:
+    def __init__(self, seed: int, device: torch.device, compiled: bool = False):
+        """compiled: `draw` through torch.compile (compile_decode); warm_up compiles it."""
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.is_compiled = compiled
+        self._draw = compile_for(device, draw, dynamic=True) if compiled else draw
+
+    @torch.inference_mode()
+    def warm_up(self, vocab_size: int) -> None:
+        """Compile the draw now, on scratch rows, rather than in the first sampled step."""
+        device = self.generator.device
+        self._draw_rows(torch.zeros(2, vocab_size, device=device), torch.ones(2, device=device),
+                        torch.zeros(2, 1, device=device))
+
+    # Inference mode throughout: the draw's inputs are then inference tensors whatever made
+    # them (the model, the controls, the filters), and dynamo, which guards on that, keeps one graph.
+    @torch.inference_mode()
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch, greedy: torch.Tensor | None = None) -> torch.Tensor:
+        """logits: float32 [S, V] -> token ids [S]. Never changes logits in place. `greedy`:
+        each row's argmax where the caller has it already (the compiled decode graph's)."""
         if batch.controls is not None:
             logits = batch.controls.apply(logits)
-        greedy = logits.argmax(dim=-1)
+            greedy = None  # the controls may have moved it
         if batch.all_greedy:
-            return greedy
+            return logits.argmax(dim=-1) if greedy is None else greedy
         is_greedy = batch.temperatures == 0
-        logits = logits / torch.where(is_greedy, 1.0, batch.temperatures).unsqueeze(1)
-        if batch.min_ps is not None:
-            logits = _filter_min_p(logits, batch.min_ps)
-        if batch.needs_filter:
-            logits = _filter_top_k_top_p(logits, batch.top_ks, batch.top_ps)
-        probs = torch.softmax(logits, dim=-1)
-        sampled = _sample_inverse_cdf(probs, self._uniforms(len(probs), batch.generators, probs.device))
-        return torch.where(is_greedy, greedy, sampled)
+        temperatures = torch.where(is_greedy, 1.0, batch.temperatures)
+        if batch.min_ps is not None or batch.needs_filter:  # filters see the scaled logits
+            logits, temperatures = logits / temperatures.unsqueeze(1), torch.ones_like(temperatures)
+            if batch.min_ps is not None:
+                logits = _filter_min_p(logits, batch.min_ps)
+            if batch.needs_filter:
+                logits = _filter_top_k_top_p(logits, batch.top_ks, batch.top_ps)
+        # Scaling and the filters keep each row's argmax where it was: it is still the greedy token.
+        row_greedy, sampled = self._draw_rows(logits, temperatures,
+                                              self._uniforms(len(logits), batch.generators, logits.device))
+        return torch.where(is_greedy, row_greedy if greedy is None else greedy, sampled)
+
+    def _draw_rows(self, logits: torch.Tensor, temperatures: torch.Tensor,
+                   uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """draw; compiled, one row is padded to two: dynamo would specialise a graph for one."""
+        if len(logits) != 1 or not self.is_compiled:
+            return self._draw(logits, temperatures, uniforms)
+        greedy, sampled = self._draw(logits.repeat(2, 1), temperatures.repeat(2), uniforms.repeat(2, 1))
+        return greedy[:1], sampled[:1]
 
     def _uniforms(self, num_rows: int, generators: list[torch.Generator | None], device: torch.device) -> torch.Tensor:
         """[S, 1] uniforms in [0, 1): from each seeded row's own generator, else the engine's."""

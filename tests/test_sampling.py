@@ -124,28 +124,56 @@ def test_empty_or_out_of_vocabulary_prompts_are_rejected(llm, prompt):
         llm.generate([prompt], SamplingParams())
 
 
-def _sample_many(logits: list[float], num: int, **params) -> torch.Tensor:
-    sampler = Sampler(seed=0, device=torch.device("cpu"))
+def _sample_many(logits: list[float], num: int, compiled: bool = False, **params) -> torch.Tensor:
+    sampler = Sampler(seed=0, device=torch.device("cpu"), compiled=compiled)
     batch = SamplingBatch.from_params([SamplingParams(**params)] * num, [None] * num, len(logits), torch.device("cpu"))
     return sampler(torch.tensor([logits] * num), batch)
 
 
-def test_sampled_tokens_follow_the_softmax_distribution():
+# compiled: the draw through torch.compile, as compile_decode runs it
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_sampled_tokens_follow_the_softmax_distribution(compiled: bool):
     logits = [2.0, 1.0, 0.0, -1.0, 0.5]
-    tokens = _sample_many(logits, 40_000, temperature=0.7)
+    tokens = _sample_many(logits, 40_000, compiled, temperature=0.7)
     expected = torch.softmax(torch.tensor(logits) / 0.7, dim=-1)
     observed = torch.bincount(tokens, minlength=len(logits)).float() / len(tokens)
     # 4 standard deviations of a frequency over 40k draws: < 0.01 for every token.
     assert torch.allclose(observed, expected, atol=0.01), (observed, expected)
 
 
-def test_top_k_and_top_p_never_sample_outside_their_set():
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_top_k_and_top_p_never_sample_outside_their_set(compiled: bool):
     logits = [3.0, 2.9, 2.8, -5.0, 0.0, 1.0]
-    top_k = torch.bincount(_sample_many(logits, 5000, temperature=1.0, top_k=2), minlength=6)
+    top_k = torch.bincount(_sample_many(logits, 5000, compiled, temperature=1.0, top_k=2), minlength=6)
     assert top_k[:2].min() > 0 and top_k[2:].sum() == 0
     # softmax mass: tokens 0, 1 ~0.65, tokens 0, 1, 2 ~0.94: top_p 0.8 keeps exactly those three.
-    top_p = torch.bincount(_sample_many(logits, 5000, temperature=1.0, top_p=0.8), minlength=6)
+    top_p = torch.bincount(_sample_many(logits, 5000, compiled, temperature=1.0, top_p=0.8), minlength=6)
     assert top_p[:3].min() > 0 and top_p[3:].sum() == 0
+
+
+def test_the_compiled_draw_picks_the_eager_draws_tokens_and_greedy_rows_their_argmax():
+    torch.manual_seed(0)
+    logits = torch.randn(9, 50257) * 3
+    params = [SamplingParams(temperature=0 if row % 3 == 0 else 0.8, seed=row) for row in range(9)]
+    eager, compiled = (Sampler(seed=0, device=torch.device("cpu"), compiled=c) for c in (False, True))
+    tokens = [sampler(logits, SamplingBatch.from_params(params, [torch.Generator().manual_seed(p.seed) for p in params],
+                                                         50257, torch.device("cpu")))
+              for sampler in (eager, compiled)]
+    # The same uniform per row and the same CDF up to float32 summation order: the same token
+    # unless a uniform falls within ~1e-6 of a boundary, which these rows' draws do not.
+    assert torch.equal(tokens[0], tokens[1])
+    assert torch.equal(tokens[1][::3], logits[::3].argmax(dim=-1))
+
+
+def test_the_compiled_draw_compiles_once_for_one_row_and_for_many():
+    sampler = Sampler(seed=0, device=torch.device("cpu"), compiled=True)
+    sampler.warm_up(vocab_size=64)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for rows in (1, 5, 2, 1):
+        batch = SamplingBatch.from_params([SamplingParams(temperature=1.0)] * rows, [None] * rows, 64,
+                                          torch.device("cpu"))
+        assert sampler(torch.randn(rows, 64), batch).shape == (rows,)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
 
 
 @pytest.mark.parametrize("scale", [0.5, 3.0])  # flat rows reach past the candidates, peaked ones not
