@@ -15,6 +15,7 @@ from deployments.prefix_routing import (
     Choice, block_hashes, choose, choose_by_work, load_bound, prefix_key, rendezvous_order, request_work,
 )
 from deployments.cache_shadow import CacheShadow
+from deployments.engine_load import LOAD_LOG_DIR_ENV, LoadLog, read_load_logs
 from engine.block_manager import BlockManager
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
@@ -207,3 +208,36 @@ def test_a_shadow_forgets_the_least_recently_sent_blocks_past_the_pool_and_a_pro
     assert shadow.num_cached_blocks("a", old) == 2  # its last block went first
     shadow.keep_only(["b"])
     assert shadow.num_cached_blocks("a", new) == 0
+
+
+def test_arrival_loads_in_work_weigh_each_request_by_the_prompt_its_replica_missed():
+    """b takes a miss (288 in work), then a takes three requests on a prefix it holds (32
+    each): past 1.25 x the mean in requests (3 of 4), well within it in work."""
+    miss, hit = (272, 272, 16), (272, 16, 16)  # prompt tokens, of those not cached, max_tokens
+    logs = {"b": [(1.0, 1, 1, *miss)], "a": [(2.0, 1, 1, *hit), (3.0, 2, 1, *hit), (4.0, 3, 1, *hit)]}
+    in_requests = arrival_loads(logs, eps=0.25, settle_s=0.5)
+    in_work = arrival_loads(logs, eps=0.25, settle_s=0.5, decode_token_cost=1.0)
+    assert (in_requests.num_arrivals, in_requests.num_over_bound, in_requests.num_over_bound_lasting) == (4, 1, 1)
+    assert (in_work.num_arrivals, in_work.num_over_bound, in_work.num_over_bound_lasting) == (4, 0, 0)
+
+
+def test_arrival_loads_in_work_count_a_replica_past_the_bound_where_a_miss_elsewhere_ended_lower():
+    """a holds a miss (288) and takes a hit (320) while b is empty: b taking it as a miss
+    would have ended at 288, so that is over; b's miss a moment later ends the breach."""
+    miss, hit = (272, 272, 16), (272, 16, 16)
+    logs = {"a": [(1.0, 1, 1, *miss), (2.0, 2, 1, *hit)], "b": [(3.0, 1, 1, *miss)]}
+    loads = arrival_loads(logs, eps=0.5, settle_s=1.5, decode_token_cost=1.0)
+    assert (loads.num_arrivals, loads.num_over_bound, loads.num_over_bound_lasting) == (3, 1, 0)
+    assert loads.busiest_over_mean == (288 + 320 + 320) / (144 + 160 + 304)
+
+
+def test_a_load_log_records_what_each_request_asks_of_its_replica(tmp_path, monkeypatch):
+    monkeypatch.setenv(LOAD_LOG_DIR_ENV, str(tmp_path))
+    log = LoadLog("r1", BLOCK, num_kv_blocks=64)
+    prefix = list(range(16 * BLOCK))
+    log.arrived("x", prefix + list(range(900, 916)), max_tokens=16)
+    log.arrived("y", prefix + list(range(800, 816)), max_tokens=8)  # its prefix was sent here: likely cached
+    log.left("x")
+    events = read_load_logs(tmp_path)["r1"]
+    assert [(e.num_open, e.delta, e.num_prompt_tokens, e.num_uncached_tokens, e.max_tokens) for e in events] == [
+        (1, 1, 272, 272, 16), (2, 1, 272, 16, 8), (1, -1, 272, 272, 16)]
