@@ -4,7 +4,7 @@ Set in a config file (configs/scale-out.yaml) on the EngineDeployment entry:
 
     request_router_config:
       request_router_class: deployments.router:PrefixAffinityRouter
-      request_router_kwargs: {load_bound_eps: 0.5, key_blocks: 4}
+      request_router_kwargs: {load_bound_eps: 0.5, key_blocks: 4, load_unit: work, decode_token_cost: 1}
       request_routing_stats_period_s: 1
 
 Each handle (each ingress replica) has its own router instance; they agree without talking
@@ -14,22 +14,30 @@ comes from what this process already holds: Serve's queue-length cache (every re
 reports its ongoing requests with each response), this router's own requests from the
 moment it chose their replica, and, where the cache has nothing fresh, the replicas'
 routing stats (polled by Serve every request_routing_stats_period_s).
+
+load_unit: requests counts each request as one; work weighs each of this router's
+requests by what it asks of its replica (prompt tokens the replica does not hold, by this
+router's CacheShadow, plus decode_token_cost per token to decode), and counts the requests
+Serve's cache shows beyond its own (other routers') as this request would weigh there.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
 from dataclasses import dataclass
+from typing import Literal
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from deployments.cache_shadow import DEFAULT_NUM_BLOCKS, CacheShadow
 from deployments.metrics import RouterMetrics
-from deployments.prefix_routing import Choice, choose, prefix_key
+from deployments.prefix_routing import Choice, block_hashes, choose, choose_by_work, request_work
+from engine import SamplingParams
 
 logger = logging.getLogger("ray.serve")
 
+LoadUnit = Literal["requests", "work"]
 _ENGINE_BLOCK_SIZE = 16  # EngineConfig's default, until a replica reports its own
 # A request counts on its chosen replica from the moment it is chosen, before Serve sends it
 # (several can be chosen before the first is sent). One cancelled between its choice and its
@@ -43,18 +51,38 @@ class _Placement:
     replica_id: str  # the chosen replica, then the one Serve sent it to
     choice: Choice
     chosen_at: float
+    work: float  # what it asks of the chosen replica (load_unit work)
     is_routed: bool = False
 
 
+@dataclass(frozen=True)
+class _Prompt:
+    """What the router reads from an ingress -> engine `generate` call."""
+
+    hashes: list[int]  # its full blocks' prefix-cache keys
+    block_size: int
+    num_tokens: int
+    max_tokens: int
+
+    def key(self, key_blocks: int) -> int | None:
+        """The hash of its first key_blocks blocks (prefix_routing.prefix_key)."""
+        return self.hashes[min(key_blocks, len(self.hashes)) - 1] if self.hashes else None
+
+
+@dataclass
+class _OwnLoad:
+    num_requests: int = 0
+    work: float = 0.0
+
+
 class PrefixAffinityRouter(RequestRouter):
-    def initialize_state(self, load_bound_eps: float = 0.25, key_blocks: int = 4) -> None:
-        if not load_bound_eps >= 0:
-            raise ValueError(f"load_bound_eps must be >= 0, got {load_bound_eps!r}")
-        if not (isinstance(key_blocks, int) and key_blocks >= 1):
-            raise ValueError(f"key_blocks must be a positive integer, got {key_blocks!r}")
-        self._eps = load_bound_eps
-        self._key_blocks = key_blocks
+    def initialize_state(self, load_bound_eps: float = 0.25, key_blocks: int = 4, load_unit: LoadUnit = "requests",
+                         decode_token_cost: float = 1.0) -> None:
+        _check_kwargs(load_bound_eps, key_blocks, load_unit, decode_token_cost)
+        self._eps, self._key_blocks = load_bound_eps, key_blocks
+        self._load_unit, self._decode_token_cost = load_unit, decode_token_cost
         self._placements: dict[str, _Placement] = {}  # internal request id -> where it went
+        self._shadow = CacheShadow()
         self._metrics = RouterMetrics()
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
@@ -63,10 +91,13 @@ class PrefixAffinityRouter(RequestRouter):
         if not candidate_replicas:
             return []
         by_id = {replica.replica_id.unique_id: replica for replica in candidate_replicas}
-        choice = choose(self._key(pending_request, candidate_replicas), self._loads(candidate_replicas), self._eps)
+        prompt = _prompt(pending_request, _block_size(candidate_replicas))
+        choice, work = self._choose(prompt, candidate_replicas)
         if pending_request is not None:
             request_id = pending_request.metadata.internal_request_id
-            self._placements[request_id] = _Placement(choice.replica_id, choice, time.monotonic())
+            self._placements[request_id] = _Placement(choice.replica_id, choice, time.monotonic(), work)
+        if prompt is not None:
+            self._shadow.record(choice.replica_id, prompt.hashes, _num_kv_blocks(by_id[choice.replica_id]))
         chosen = by_id.pop(choice.replica_id)
         return [[chosen], list(by_id.values())] if by_id else [[chosen]]
 
@@ -84,45 +115,96 @@ class PrefixAffinityRouter(RequestRouter):
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         """Serve calls this when the replica set or a replica's routing stats change."""
         super().update_replicas(replicas)
+        self._shadow.keep_only(r.replica_id.unique_id for r in replicas)
         self._metrics.record_replicas({r.replica_id.unique_id: r.routing_stats or {} for r in replicas})
 
-    def _key(self, pending_request: PendingRequest | None, replicas: list[RunningReplica]) -> int | None:
-        token_ids = _prompt_token_ids(pending_request)
-        if token_ids is None:
-            return None
-        return prefix_key(token_ids, _block_size(replicas), self._key_blocks)
+    def _choose(self, prompt: _Prompt | None, replicas: list[RunningReplica]) -> tuple[Choice, float]:
+        """The replica, and the work the request asks of it."""
+        key = prompt.key(self._key_blocks) if prompt is not None else None
+        if self._load_unit == "requests":
+            return choose(key, self._request_loads(replicas), self._eps), 1.0
+        loads, costs = self._work_loads(prompt, replicas)
+        choice = choose_by_work(key, loads, costs, self._eps)
+        return choice, costs[choice.replica_id]
 
-    def _loads(self, replicas: list[RunningReplica]) -> dict[str, int]:
+    def _request_loads(self, replicas: list[RunningReplica]) -> dict[str, int]:
+        """Serve's cache holds the count the replica sent with its last response (every
+        router's requests), plus this router's sends and completions since; this router's
+        own count is exact for its requests, including those chosen but not yet sent."""
         own = self._own_loads()
-        return {r.replica_id.unique_id: self._load(r, own.get(r.replica_id.unique_id, 0)) for r in replicas}
+        return {r.replica_id.unique_id: max(self._queue_len(r), _num_own(own, r))
+                for r in replicas}
 
-    def _own_loads(self) -> dict[str, int]:
+    def _work_loads(self, prompt: _Prompt | None,
+                    replicas: list[RunningReplica]) -> tuple[dict[str, float], dict[str, float]]:
+        """Each replica's open work, and this request's work on it. Requests in Serve's
+        count beyond this router's own are other routers': each counted as this one
+        would weigh there."""
+        own, loads, costs = self._own_loads(), {}, {}
+        for replica in replicas:
+            replica_id = replica.replica_id.unique_id
+            mine = own.get(replica_id, _OwnLoad())
+            costs[replica_id] = self._cost(prompt, replica_id)
+            loads[replica_id] = mine.work + max(self._queue_len(replica) - mine.num_requests, 0) * costs[replica_id]
+        return loads, costs
+
+    def _cost(self, prompt: _Prompt | None, replica_id: str) -> float:
+        if prompt is None:  # not a generate call: no prompt, nothing to decode
+            return 1.0
+        num_cached = self._shadow.num_cached_blocks(replica_id, prompt.hashes) * prompt.block_size
+        return request_work(prompt.num_tokens, num_cached, prompt.max_tokens, self._decode_token_cost)
+
+    def _own_loads(self) -> dict[str, _OwnLoad]:
         """This router's requests in each replica: chosen or sent, not completed."""
         expired_before = time.monotonic() - _UNROUTED_TTL_S
+        loads: dict[str, _OwnLoad] = {}
         for request_id, placement in list(self._placements.items()):
             if not placement.is_routed and placement.chosen_at < expired_before:
                 del self._placements[request_id]
-        return Counter(placement.replica_id for placement in self._placements.values())
+                continue
+            load = loads.setdefault(placement.replica_id, _OwnLoad())
+            load.num_requests += 1
+            load.work += placement.work
+        return loads
 
-    def _load(self, replica: RunningReplica, num_own: int) -> int:
-        """Serve's cache holds the count the replica sent with its last response (every
-        router's requests), plus this router's sends and completions since; this router's
-        own count is exact for its requests, including those chosen but not yet sent. The
-        replica's own report is up to a stats period old: it stands in only where the
-        cache has nothing."""
+    def _queue_len(self, replica: RunningReplica) -> int:
+        """Serve's cached count; the replica's own report, up to a stats period old,
+        stands in only where the cache has nothing."""
         queue_len = self.replica_queue_len_cache.get(replica.replica_id)
-        if queue_len is None:
-            queue_len = (replica.routing_stats or {}).get("num_active", 0)
-        return max(queue_len, num_own)
+        return queue_len if queue_len is not None else (replica.routing_stats or {}).get("num_active", 0)
 
 
-def _prompt_token_ids(pending_request: PendingRequest | None) -> list[int] | None:
+def _check_kwargs(load_bound_eps: float, key_blocks: int, load_unit: str, decode_token_cost: float) -> None:
+    if not load_bound_eps >= 0:
+        raise ValueError(f"load_bound_eps must be >= 0, got {load_bound_eps!r}")
+    if not (isinstance(key_blocks, int) and key_blocks >= 1):
+        raise ValueError(f"key_blocks must be a positive integer, got {key_blocks!r}")
+    if load_unit not in ("requests", "work"):
+        raise ValueError(f"load_unit must be requests or work, got {load_unit!r}")
+    if not decode_token_cost >= 0:
+        raise ValueError(f"decode_token_cost must be >= 0, got {decode_token_cost!r}")
+
+
+def _prompt(pending_request: PendingRequest | None, block_size: int) -> _Prompt | None:
     """The prompt of an ingress -> engine `generate(request_id, prompt_token_ids, params)`."""
     if pending_request is None or pending_request.metadata.call_method != "generate":
         return None
-    args = pending_request.args
-    token_ids = args[1] if len(args) > 1 else pending_request.kwargs.get("prompt_token_ids")
-    return token_ids if isinstance(token_ids, list) else None
+    args, kwargs = pending_request.args, pending_request.kwargs
+    token_ids = args[1] if len(args) > 1 else kwargs.get("prompt_token_ids")
+    params = args[2] if len(args) > 2 else kwargs.get("params")
+    if not isinstance(token_ids, list):
+        return None
+    max_tokens = params.max_tokens if isinstance(params, SamplingParams) else 0
+    return _Prompt(block_hashes(token_ids, block_size), block_size, len(token_ids), max_tokens)
+
+
+def _num_own(own: dict[str, _OwnLoad], replica: RunningReplica) -> int:
+    load = own.get(replica.replica_id.unique_id)
+    return 0 if load is None else load.num_requests
+
+
+def _num_kv_blocks(replica: RunningReplica) -> int:
+    return (replica.routing_stats or {}).get("num_kv_blocks") or DEFAULT_NUM_BLOCKS
 
 
 def _block_size(replicas: list[RunningReplica]) -> int:
