@@ -13,7 +13,8 @@
     load     in requests (`choose`), or in work (`choose_by_work`): the prompt tokens a
              replica must still compute plus the tokens it must decode, so a request whose
              prefix its replica holds weighs what it costs there, its suffix, and a
-             request counts more on a replica that would miss its prefix
+             request counts more on a replica that would miss its prefix; in work, the
+             replicas likely holding the prefix come first, in rendezvous order among them
 
 Pure functions, no Ray: deployments/router.py feeds them what Serve knows.
 """
@@ -91,14 +92,16 @@ def choose(key: int | None, loads: Mapping[str, int], eps: float) -> Choice:
 
 def choose_by_work(key: int | None, loads: Mapping[str, float], costs: Mapping[str, float], eps: float) -> Choice:
     """loads: every candidate replica's open work; costs: this request's work on each
-    (less where its prefix is cached). The first replica in the key's order whose work,
+    (less where its prefix is cached). The replicas in order of that cost, the key's
+    rendezvous order among equals: a prefix stays where it is cached, even where a spill
+    put it, rather than being computed again at its home. The first of them whose work,
     with this request, stays within (1 + eps) x the mean work with it; where none does
     (little in flight, or one request outweighing the rest), the one that would end with
     the least work, which always qualifies."""
     after = {replica_id: loads[replica_id] + costs[replica_id] for replica_id in loads}
     if key is None:
         return Choice(_least_loaded(after), "least_loaded")
-    order = rendezvous_order(key, list(loads))
+    order = sorted(rendezvous_order(key, list(loads)), key=costs.__getitem__)  # stable: rendezvous among equals
     total, least = sum(loads.values()), min(after.values())
     for replica_id in order:
         bound = (1 + eps) * (total + costs[replica_id]) / len(loads)

@@ -241,3 +241,13 @@ def test_a_load_log_records_what_each_request_asks_of_its_replica(tmp_path, monk
     events = read_load_logs(tmp_path)["r1"]
     assert [(e.num_open, e.delta, e.num_prompt_tokens, e.num_uncached_tokens, e.max_tokens) for e in events] == [
         (1, 1, 272, 272, 16), (2, 1, 272, 16, 8), (1, -1, 272, 272, 16)]
+
+
+def test_in_work_a_prefix_cached_only_on_its_second_choice_stays_there_while_it_is_within_the_bound():
+    """A spill put the prefix on its second choice: computing it again at home would cost a
+    miss there and a second copy in the pools."""
+    key = prefix_key(list(range(100)), BLOCK, 4)
+    home, second = rendezvous_order(key, REPLICAS[:2])
+    costs = {home: 288.0, second: 32.0}
+    assert choose_by_work(key, {home: 0.0, second: 64.0}, costs, eps=0.5) == Choice(second, "affinity")
+    assert choose_by_work(key, {home: 0.0, second: 600.0}, costs, eps=0.5) == Choice(home, "spill")
