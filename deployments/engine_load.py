@@ -28,6 +28,9 @@ class EngineLoad:
     kv_cache_usage: float  # 0..1
     block_size: int  # the prefix cache's block: routers key prompts with it
     num_kv_blocks: int  # the pool: as many blocks as a router's shadow of this cache keeps
+    num_pending_prompt_tokens: int  # not yet computed, of every live request
+    num_pending_decode_tokens: int  # still to decode (up to max_tokens), of every live request
+    pending_at: float  # time.time() when the engine counted those two (its last step)
     num_requests: int  # totals since the replica started
     num_prefix_queried_tokens: int
     num_prefix_hit_tokens: int
@@ -39,6 +42,8 @@ class EngineLoad:
         return cls(num_active=engine.num_active_requests(), num_waiting=num_waiting,
                    num_waiting_prompt_tokens=num_waiting_tokens, kv_cache_usage=stats.kv_cache_usage,
                    block_size=engine.config.block_size, num_kv_blocks=stats.num_kv_blocks_total,
+                   num_pending_prompt_tokens=stats.num_pending_prompt_tokens,
+                   num_pending_decode_tokens=stats.num_pending_decode_tokens, pending_at=stats.taken_at,
                    num_requests=num_requests,
                    num_prefix_queried_tokens=stats.num_prefix_queried_tokens,
                    num_prefix_hit_tokens=stats.num_prefix_hit_tokens)

@@ -15,16 +15,21 @@ reports its ongoing requests with each response), this router's own requests fro
 moment it chose their replica, and, where the cache has nothing fresh, the replicas'
 routing stats (polled by Serve every request_routing_stats_period_s).
 
-load_unit: requests counts each request as one; work weighs each of this router's
-requests by what it asks of its replica (prompt tokens the replica does not hold, by this
-router's CacheShadow, plus decode_token_cost per token to decode), and counts the requests
-Serve's cache shows beyond its own (other routers') as this request would weigh there.
+load_unit: requests counts each request as one. work (deployments/prefix_routing.py
+choose_by_work) weighs a replica by the work it last reported still ahead of it
+(record_routing_stats: prompt tokens not yet computed, plus decode_token_cost per token
+still to decode, of every router's requests) plus this router's requests chosen since that
+report, each at what it asks of its replica: the prompt tokens that replica likely lacks
+(this router's CacheShadow) plus its decode. Where a replica's report is missing or stale,
+this router's own requests stand in, and the rest of Serve's count (other routers') at this
+request's weight.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Literal
 
@@ -44,13 +49,17 @@ _ENGINE_BLOCK_SIZE = 16  # EngineConfig's default, until a replica reports its o
 # send never comes back to on_request_routed or on_request_completed: it stops counting after
 # this long unconfirmed.
 _UNROUTED_TTL_S = 10.0
+# A replica's report of its pending work stands for its load only while fresh (Serve polls
+# every request_routing_stats_period_s); older (a replica slow to answer), the router counts
+# its own requests instead.
+_REPORT_MAX_AGE_S = 5.0
 
 
 @dataclass
 class _Placement:
     replica_id: str  # the chosen replica, then the one Serve sent it to
     choice: Choice
-    chosen_at: float
+    chosen_at: float  # time.time(): compared with the replicas' reports
     work: float  # what it asks of the chosen replica (load_unit work)
     is_routed: bool = False
 
@@ -67,12 +76,6 @@ class _Prompt:
     def key(self, key_blocks: int) -> int | None:
         """The hash of its first key_blocks blocks (prefix_routing.prefix_key)."""
         return self.hashes[min(key_blocks, len(self.hashes)) - 1] if self.hashes else None
-
-
-@dataclass
-class _OwnLoad:
-    num_requests: int = 0
-    work: float = 0.0
 
 
 class PrefixAffinityRouter(RequestRouter):
@@ -95,7 +98,7 @@ class PrefixAffinityRouter(RequestRouter):
         choice, work = self._choose(prompt, candidate_replicas)
         if pending_request is not None:
             request_id = pending_request.metadata.internal_request_id
-            self._placements[request_id] = _Placement(choice.replica_id, choice, time.monotonic(), work)
+            self._placements[request_id] = _Placement(choice.replica_id, choice, time.time(), work)
         if prompt is not None:
             self._shadow.record(choice.replica_id, prompt.hashes, _num_kv_blocks(by_id[choice.replica_id]))
         chosen = by_id.pop(choice.replica_id)
@@ -132,21 +135,29 @@ class PrefixAffinityRouter(RequestRouter):
         router's requests), plus this router's sends and completions since; this router's
         own count is exact for its requests, including those chosen but not yet sent."""
         own = self._own_loads()
-        return {r.replica_id.unique_id: max(self._queue_len(r), _num_own(own, r))
-                for r in replicas}
+        return {r.replica_id.unique_id: max(self._queue_len(r), own.get(r.replica_id.unique_id, 0)) for r in replicas}
 
     def _work_loads(self, prompt: _Prompt | None,
                     replicas: list[RunningReplica]) -> tuple[dict[str, float], dict[str, float]]:
-        """Each replica's open work, and this request's work on it. Requests in Serve's
-        count beyond this router's own are other routers': each counted as this one
-        would weigh there."""
-        own, loads, costs = self._own_loads(), {}, {}
+        """Each replica's open work, and this request's work on it."""
+        live, loads, costs = self._live_placements(), {}, {}
         for replica in replicas:
             replica_id = replica.replica_id.unique_id
-            mine = own.get(replica_id, _OwnLoad())
             costs[replica_id] = self._cost(prompt, replica_id)
-            loads[replica_id] = mine.work + max(self._queue_len(replica) - mine.num_requests, 0) * costs[replica_id]
+            loads[replica_id] = self._work_load(replica, [p for p in live if p.replica_id == replica_id], costs[replica_id])
         return loads, costs
+
+    def _work_load(self, replica: RunningReplica, mine: list[_Placement], cost: float) -> float:
+        """The work the replica last reported still ahead of it (every router's requests,
+        prefills and decodes already done subtracted), plus this router's requests chosen
+        since. Where its report is missing or old: this router's requests at their cost
+        when chosen, and the rest of Serve's count (other routers') as this one would
+        weigh there."""
+        stats = replica.routing_stats or {}
+        if time.time() - stats.get("pending_at", 0.0) < _REPORT_MAX_AGE_S:
+            pending = stats["num_pending_prompt_tokens"] + self._decode_token_cost * stats["num_pending_decode_tokens"]
+            return pending + sum(p.work for p in mine if p.chosen_at > stats["pending_at"])
+        return sum(p.work for p in mine) + max(self._queue_len(replica) - len(mine), 0) * cost
 
     def _cost(self, prompt: _Prompt | None, replica_id: str) -> float:
         if prompt is None:  # not a generate call: no prompt, nothing to decode
@@ -154,18 +165,18 @@ class PrefixAffinityRouter(RequestRouter):
         num_cached = self._shadow.num_cached_blocks(replica_id, prompt.hashes) * prompt.block_size
         return request_work(prompt.num_tokens, num_cached, prompt.max_tokens, self._decode_token_cost)
 
-    def _own_loads(self) -> dict[str, _OwnLoad]:
+    def _own_loads(self) -> dict[str, int]:
         """This router's requests in each replica: chosen or sent, not completed."""
-        expired_before = time.monotonic() - _UNROUTED_TTL_S
-        loads: dict[str, _OwnLoad] = {}
+        return Counter(placement.replica_id for placement in self._live_placements())
+
+    def _live_placements(self) -> list[_Placement]:
+        """This router's requests chosen or sent, not completed; those chosen but never
+        confirmed sent for _UNROUTED_TTL_S are forgotten."""
+        expired_before = time.time() - _UNROUTED_TTL_S
         for request_id, placement in list(self._placements.items()):
             if not placement.is_routed and placement.chosen_at < expired_before:
                 del self._placements[request_id]
-                continue
-            load = loads.setdefault(placement.replica_id, _OwnLoad())
-            load.num_requests += 1
-            load.work += placement.work
-        return loads
+        return list(self._placements.values())
 
     def _queue_len(self, replica: RunningReplica) -> int:
         """Serve's cached count; the replica's own report, up to a stats period old,
@@ -196,11 +207,6 @@ def _prompt(pending_request: PendingRequest | None, block_size: int) -> _Prompt 
         return None
     max_tokens = params.max_tokens if isinstance(params, SamplingParams) else 0
     return _Prompt(block_hashes(token_ids, block_size), block_size, len(token_ids), max_tokens)
-
-
-def _num_own(own: dict[str, _OwnLoad], replica: RunningReplica) -> int:
-    load = own.get(replica.replica_id.unique_id)
-    return 0 if load is None else load.num_requests
 
 
 def _num_kv_blocks(replica: RunningReplica) -> int:

@@ -4,7 +4,8 @@ fresh local Ray (so every setup starts with empty prefix caches):
 
     prefix-router   the config as it is (configs/scale-out.yaml: 2 replicas, PrefixAffinityRouter);
                     prefix-router:load_unit=requests:load_bound_eps=0.5 the same with those
-                    request_router_kwargs changed, so that router designs run side by side
+                    request_router_kwargs changed (request_routing_stats_period_s=N too),
+                    so that router designs run side by side
     serve-default   the same with Serve's default router (PowerOfTwoChoicesRequestRouter)
     one-replica     1 engine replica with all the engine CPUs of the two (2x the threads)
 
@@ -39,6 +40,7 @@ from loadtest.results import BenchResult
 SERVE_DEFAULT_ROUTER = "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter"
 SETUPS = ("prefix-router", "serve-default", "one-replica")
 BLOCK_SIZE = 16
+_STATS_PERIOD = "request_routing_stats_period_s"
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,8 @@ def app_from_config(config_path: Path, setup: str, overrides: dict) -> serve.App
     engine = options.setdefault("EngineDeployment", {})
     if router_kwargs:
         router = engine.setdefault("request_router_config", {})
+        if _STATS_PERIOD in router_kwargs:  # a request_router_config field, not a kwarg
+            router[_STATS_PERIOD] = router_kwargs.pop(_STATS_PERIOD)
         router["request_router_kwargs"] = {**router.get("request_router_kwargs", {}), **router_kwargs}
     if setup == "serve-default":
         engine["request_router_config"] = {"request_router_class": SERVE_DEFAULT_ROUTER}
