@@ -53,7 +53,8 @@ class EngineDeployment:
         self._engine = AsyncEngine(config, max_chunks_per_s=max_chunks_per_s)
         self._metrics = EngineMetricsReporter(self._engine.stats)
         self._num_requests = 0
-        self._load_log = LoadLog(serve.get_replica_context().replica_id.unique_id)
+        self._load_log = LoadLog(serve.get_replica_context().replica_id.unique_id, config.block_size,
+                                 self._engine.stats().num_kv_blocks_total)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[GenerationChunk]:
@@ -62,13 +63,13 @@ class EngineDeployment:
         Raises ValueError before the first chunk for a request that can never run.
         """
         self._num_requests += 1
-        self._load_log.arrived()
+        self._load_log.arrived(request_id, prompt_token_ids, params.max_tokens)
         try:
             async with contextlib.aclosing(self._engine.generate(request_id, prompt_token_ids, params)) as chunks:
                 async for chunk in chunks:
                     yield chunk
         finally:
-            self._load_log.left()
+            self._load_log.left(request_id)
 
     def model_info(self) -> ModelInfo:
         return self._engine.model_info

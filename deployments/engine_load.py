@@ -3,7 +3,8 @@
 Serve polls `record_routing_stats` (for the router, as `replica.routing_stats`) and
 `record_autoscaling_stats` (for the autoscaling policy, as `ctx.aggregated_metrics`) on the
 engine deployment; both read one EngineLoad. A LoadLog times each change of the replica's
-open requests, for benchmarks and tests to check the router's load bound against.
+open requests and the work each asks of it, for benchmarks and tests to check the router's
+load bound against.
 """
 
 from __future__ import annotations
@@ -12,7 +13,10 @@ import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import NamedTuple
 
+from deployments.cache_shadow import CacheShadow
+from deployments.prefix_routing import block_hashes
 from engine import AsyncEngine
 
 
@@ -23,6 +27,10 @@ class EngineLoad:
     num_waiting_prompt_tokens: int
     kv_cache_usage: float  # 0..1
     block_size: int  # the prefix cache's block: routers key prompts with it
+    num_kv_blocks: int  # the pool: as many blocks as a router's shadow of this cache keeps
+    num_pending_prompt_tokens: int  # not yet computed, of every live request
+    num_pending_decode_tokens: int  # still to decode (up to max_tokens), of every live request
+    pending_at: float  # time.time() when the engine counted those two (its last step)
     num_requests: int  # totals since the replica started
     num_prefix_queried_tokens: int
     num_prefix_hit_tokens: int
@@ -33,7 +41,10 @@ class EngineLoad:
         num_waiting, num_waiting_tokens = engine.waiting_work()
         return cls(num_active=engine.num_active_requests(), num_waiting=num_waiting,
                    num_waiting_prompt_tokens=num_waiting_tokens, kv_cache_usage=stats.kv_cache_usage,
-                   block_size=engine.config.block_size, num_requests=num_requests,
+                   block_size=engine.config.block_size, num_kv_blocks=stats.num_kv_blocks_total,
+                   num_pending_prompt_tokens=stats.num_pending_prompt_tokens,
+                   num_pending_decode_tokens=stats.num_pending_decode_tokens, pending_at=stats.taken_at,
+                   num_requests=num_requests,
                    num_prefix_queried_tokens=stats.num_prefix_queried_tokens,
                    num_prefix_hit_tokens=stats.num_prefix_hit_tokens)
 
@@ -48,37 +59,60 @@ class EngineLoad:
 
 
 
-LoadEvent = tuple[float, int, int]  # (wall-clock time, open requests after it, +1 arrived / -1 left)
+class LoadEvent(NamedTuple):
+    """One change of a replica's open requests, and the shape of the request that made it."""
+
+    time: float  # wall clock
+    num_open: int  # open requests after it
+    delta: int  # +1 arrived, -1 left
+    num_prompt_tokens: int = 0
+    # Not among the blocks of the prompts recently sent to this replica (a shadow of its
+    # own arrivals, as deployments/cache_shadow.py keeps one per router): what its prefix
+    # cache likely missed, as the routers' work model counts it.
+    num_uncached_tokens: int = 0
+    max_tokens: int = 0
+
+
 LOAD_LOG_DIR_ENV = "RAYINFER_LOAD_LOG_DIR"  # set by benchmarks and tests, off in service
 
 
 class LoadLog:
     """Where RAYINFER_LOAD_LOG_DIR is set in the replica's environment, every change of its
-    open `generate` calls, appended to <dir>/<replica id>.log as "time open delta" lines
-    (wall clock, so the logs of replicas on one machine merge into one timeline:
-    loadtest/load_balance.py). Elsewhere it writes nothing."""
+    open `generate` calls, appended to <dir>/<replica id>.log as LoadEvent lines (wall
+    clock, so the logs of replicas on one machine merge into one timeline:
+    loadtest/load_balance.py). Elsewhere it only counts."""
 
-    def __init__(self, replica_id: str) -> None:
+    def __init__(self, replica_id: str, block_size: int, num_kv_blocks: int) -> None:
         self.num_open = 0
+        self._replica_id, self._block_size, self._num_kv_blocks = replica_id, block_size, num_kv_blocks
+        self._shapes: dict[str, tuple[int, int, int]] = {}  # open request id -> its shape
+        self._shadow = CacheShadow()
         directory = os.environ.get(LOAD_LOG_DIR_ENV)
         self._file = open(Path(directory) / f"{replica_id}.log", "a", buffering=1) if directory else None
 
-    def arrived(self) -> None:
-        self._record(1)
-
-    def left(self) -> None:
-        self._record(-1)
-
-    def _record(self, delta: int) -> None:
-        self.num_open += delta
+    def arrived(self, request_id: str, prompt_token_ids: list[int], max_tokens: int) -> None:
+        self.num_open += 1
         if self._file is not None:
-            self._file.write(f"{time.time():.6f} {self.num_open} {delta}\n")
+            hashes = block_hashes(prompt_token_ids, self._block_size)
+            num_cached = self._shadow.num_cached_blocks(self._replica_id, hashes) * self._block_size
+            self._shadow.record(self._replica_id, hashes, self._num_kv_blocks)
+            shape = (len(prompt_token_ids), len(prompt_token_ids) - num_cached, max_tokens)
+            self._shapes[request_id] = shape
+            self._write(1, shape)
+
+    def left(self, request_id: str) -> None:
+        self.num_open -= 1
+        if self._file is not None:
+            self._write(-1, self._shapes.pop(request_id, (0, 0, 0)))
+
+    def _write(self, delta: int, shape: tuple[int, int, int]) -> None:
+        self._file.write(f"{time.time():.6f} {self.num_open} {delta} {' '.join(map(str, shape))}\n")
 
 
 def read_load_logs(directory: Path, since: float = 0.0) -> dict[str, list[LoadEvent]]:
     """Every replica's LoadLog in directory, the events at or after `since` (time.time())."""
     logs = {}
     for path in sorted(directory.glob("*.log")):
-        events = [(float(t), int(n), int(d)) for t, n, d in (line.split() for line in path.read_text().splitlines())]
-        logs[path.stem] = [event for event in events if event[0] >= since]
+        events = [LoadEvent(float(t), *map(int, rest)) for t, *rest in (line.split() for line in path.read_text().splitlines())]
+        logs[path.stem] = [event for event in events if event.time >= since]
     return logs

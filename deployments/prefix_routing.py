@@ -10,6 +10,11 @@
              (1 + eps) x the mean load with this request; past it the request spills to the
              next one in the same order, so a hot prefix's overflow lands on one second
              home, not on all replicas
+    load     in requests (`choose`), or in work (`choose_by_work`): the prompt tokens a
+             replica must still compute plus the tokens it must decode, so a request whose
+             prefix its replica holds weighs what it costs there, its suffix, and a
+             request counts more on a replica that would miss its prefix; in work, the
+             replicas likely holding the prefix come first, in rendezvous order among them
 
 Pure functions, no Ray: deployments/router.py feeds them what Serve knows.
 """
@@ -36,13 +41,21 @@ class Choice:
 
 def prefix_key(token_ids: Sequence[int], block_size: int, key_blocks: int) -> int | None:
     """The chain hash of the prompt's leading full blocks (at most key_blocks of them);
-    None for a prompt too short to have a cacheable block. Like the engine's lookup, the
-    last token never counts: it is always computed."""
-    num_blocks = min(key_blocks, (len(token_ids) - 1) // block_size)
-    key = None
-    for index in range(num_blocks):
-        key = chain_hash(key, tuple(token_ids[index * block_size:(index + 1) * block_size]))
-    return key
+    None for a prompt too short to have a cacheable block."""
+    hashes = block_hashes(token_ids, block_size, key_blocks)
+    return hashes[-1] if hashes else None
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int, max_blocks: int | None = None) -> list[int]:
+    """The keys the engine's prefix cache files the prompt's full blocks under, first
+    block first. Like the engine's lookup, the last token never counts: it is always
+    computed."""
+    num_blocks = (len(token_ids) - 1) // block_size
+    hashes: list[int] = []
+    for index in range(num_blocks if max_blocks is None else min(max_blocks, num_blocks)):
+        previous = hashes[-1] if hashes else None
+        hashes.append(chain_hash(previous, tuple(token_ids[index * block_size:(index + 1) * block_size])))
+    return hashes
 
 
 def rendezvous_order(key: int, replica_ids: Sequence[str]) -> list[str]:
@@ -77,6 +90,33 @@ def choose(key: int | None, loads: Mapping[str, int], eps: float) -> Choice:
     raise AssertionError("with eps >= 0 the least-loaded replica is always within the bound")
 
 
-def _least_loaded(loads: Mapping[str, int]) -> str:
+def choose_by_work(key: int | None, loads: Mapping[str, float], costs: Mapping[str, float], eps: float) -> Choice:
+    """loads: every candidate replica's open work; costs: this request's work on each
+    (less where its prefix is cached). The replicas in order of that cost, the key's
+    rendezvous order among equals: a prefix stays where it is cached, even where a spill
+    put it, rather than being computed again at its home. The first of them whose work,
+    with this request, stays within (1 + eps) x the mean work with it; where none does
+    (little in flight, or one request outweighing the rest), the one that would end with
+    the least work, which always qualifies."""
+    after = {replica_id: loads[replica_id] + costs[replica_id] for replica_id in loads}
+    if key is None:
+        return Choice(_least_loaded(after), "least_loaded")
+    order = sorted(rendezvous_order(key, list(loads)), key=costs.__getitem__)  # stable: rendezvous among equals
+    total, least = sum(loads.values()), min(after.values())
+    for replica_id in order:
+        bound = (1 + eps) * (total + costs[replica_id]) / len(loads)
+        if after[replica_id] <= max(bound, least):
+            return Choice(replica_id, "affinity" if replica_id == order[0] else "spill")
+    raise AssertionError("the replica that would end with the least work is always within the bound")
+
+
+def request_work(num_prompt_tokens: int, num_cached_tokens: int, max_tokens: int, decode_token_cost: float) -> float:
+    """What a request asks of a replica that holds num_cached_tokens of its prompt: the
+    rest of the prompt to compute, and max_tokens to decode, each worth decode_token_cost
+    prompt tokens (a decode step batches every running request, a prefill does not)."""
+    return num_prompt_tokens - num_cached_tokens + decode_token_cost * max_tokens
+
+
+def _least_loaded(loads: Mapping[str, float]) -> str:
     lowest = min(loads.values())
     return random.choice([replica_id for replica_id, load in loads.items() if load == lowest])

@@ -157,13 +157,16 @@ class LLMEngine:
         del self._seqs[seq.request_id]
 
     def stats(self) -> EngineStats:
-        bm = self.block_manager
+        bm, seqs = self.block_manager, self._seqs.values()
         return EngineStats(
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             num_kv_blocks_used=bm.num_used_blocks, num_kv_blocks_total=bm.num_blocks,
             prefix_cache_hit_rate=bm.prefix_cache_hit_rate, num_preemptions=self.scheduler.num_preemptions,
             num_prompt_tokens=self._num_prompt_tokens, num_generated_tokens=self._num_generated_tokens,
             num_prefix_queried_tokens=bm.num_prefix_queried_tokens, num_prefix_hit_tokens=bm.num_prefix_hit_tokens,
+            num_pending_prompt_tokens=sum(max(s.num_prompt_tokens - s.num_computed_tokens, 0) for s in seqs),
+            num_pending_decode_tokens=sum(s.params.max_tokens - s.num_output_tokens for s in seqs),
+            taken_at=time.time(),
         )
 
     def check_integrity(self) -> None:

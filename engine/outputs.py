@@ -65,6 +65,12 @@ class EngineStats:
     num_generated_tokens: int
     num_prefix_queried_tokens: int
     num_prefix_hit_tokens: int
+    # Work still ahead of the live requests: prompt tokens not yet computed (a waiting
+    # request's cached prefix counts until it is admitted) and tokens still to decode (up
+    # to max_tokens): what a work-bounded router weighs replicas by.
+    num_pending_prompt_tokens: int = 0
+    num_pending_decode_tokens: int = 0
+    taken_at: float = 0.0  # time.time() when these were read
 
     @property
     def kv_cache_usage(self) -> float:

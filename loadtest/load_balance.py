@@ -7,6 +7,13 @@ bounds it, not averaged over a run's ramp-up and drain where no routing happens.
                         number of requests could have stayed within it: a router's breach;
                         "lasting" if still over settle_s later
     busiest / mean      the busiest replica's load over the mean load, summed over arrivals
+
+Load is open requests, or, given a decode_token_cost, open work as the router's work bound
+counts it (deployments/prefix_routing.py request_work): each open request's prompt tokens
+its replica likely did not hold when it arrived, plus decode_token_cost per token it may
+decode. In work, an arrival is over the bound where it left its replica above (1 + eps) x
+the mean work and above what another replica would have held had it taken the request as a
+miss (the router's fallback where no replica is within the bound).
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from deployments.engine_load import LoadEvent
+from deployments.prefix_routing import request_work
 
 
 @dataclass(frozen=True)
@@ -27,38 +35,58 @@ class ArrivalLoads:
     busiest_over_mean: float
 
 
-def arrival_loads(logs: Mapping[str, Sequence[LoadEvent]], eps: float, settle_s: float = 0.05) -> ArrivalLoads:
+def arrival_loads(logs: Mapping[str, Sequence[LoadEvent]], eps: float, settle_s: float = 0.05,
+                  decode_token_cost: float | None = None) -> ArrivalLoads:
     """logs: each replica's events, wall-clock timed on one machine (so they merge).
     Requests routed at the same moment reach their replicas in any order within a few
     milliseconds, so a breach counts as lasting only if the replica is still over the
-    bound settle_s later."""
-    times, replica_ids, deltas, states = _timeline(logs)
+    bound settle_s later. decode_token_cost: load in work (see above), else in requests."""
+    times, events, states = _timeline(logs, decode_token_cost)
     num_over = num_lasting = 0
     busiest_sum = mean_sum = 0.0
-    arrivals = [i for i, delta in enumerate(deltas) if delta > 0]
+    arrivals = [i for i, (_, event) in enumerate(events) if event.delta > 0]
     for i in arrivals:
-        is_over = _is_over(states[i], replica_ids[i], eps)
+        replica_id, event = events[i]
+        slack = 1.0 if decode_token_cost is None else _miss_work(event, decode_token_cost)
         later = states[bisect.bisect_right(times, times[i] + settle_s) - 1]
+        is_over = _is_over(states[i], replica_id, eps, slack, decode_token_cost is None)
         num_over += is_over
-        num_lasting += is_over and _is_over(later, replica_ids[i], eps)
+        num_lasting += is_over and _is_over(later, replica_id, eps, slack, decode_token_cost is None)
         busiest_sum += max(states[i].values())
         mean_sum += sum(states[i].values()) / len(states[i])
     return ArrivalLoads(len(arrivals), num_over, num_lasting, busiest_sum / max(mean_sum, 1e-9))
 
 
-def _timeline(logs: Mapping[str, Sequence[LoadEvent]]) -> tuple[list[float], list[str], list[int], list[dict]]:
-    """Every event in time order: its time, replica, delta, and every replica's load after it."""
-    events = sorted((time, replica_id, num_open, delta)
-                    for replica_id, log in logs.items() for time, num_open, delta in log)
-    current = dict.fromkeys(logs, 0)
+def _timeline(logs: Mapping[str, Sequence[LoadEvent]],
+              decode_token_cost: float | None) -> tuple[list[float], list[tuple[str, LoadEvent]], list[dict]]:
+    """Every event in time order, its replica, and every replica's load after it."""
+    events = sorted(((LoadEvent(*event), replica_id) for replica_id, log in logs.items() for event in log),
+                    key=lambda pair: pair[0].time)
+    current = dict.fromkeys(logs, 0.0)
     states = []
-    for _, replica_id, num_open, _ in events:
-        current[replica_id] = num_open
+    for event, replica_id in events:
+        if decode_token_cost is None:
+            current[replica_id] = event.num_open
+        else:
+            current[replica_id] += event.delta * _work(event, decode_token_cost)
         states.append(dict(current))
-    return [e[0] for e in events], [e[1] for e in events], [e[3] for e in events], states
+    return [e.time for e, _ in events], [(r, e) for e, r in events], states
 
 
-def _is_over(loads: Mapping[str, int], replica_id: str, eps: float) -> bool:
-    """Above (1 + eps) x the mean, where a whole number of requests could be within it."""
+def _work(event: LoadEvent, decode_token_cost: float) -> float:
+    return request_work(event.num_prompt_tokens, event.num_prompt_tokens - event.num_uncached_tokens,
+                        event.max_tokens, decode_token_cost)
+
+
+def _miss_work(event: LoadEvent, decode_token_cost: float) -> float:
+    return request_work(event.num_prompt_tokens, 0, event.max_tokens, decode_token_cost)
+
+
+def _is_over(loads: Mapping[str, float], replica_id: str, eps: float, slack: float, is_whole: bool) -> bool:
+    """Above (1 + eps) x the mean, and above what the least loaded other replica would
+    hold with slack more: in requests, where a whole number could be within the bound; in
+    work, where another replica taking the request as a miss would have ended lower."""
     mean = sum(loads.values()) / len(loads)
-    return loads[replica_id] > max(math.ceil(mean - 1e-9), (1 + eps) * mean + 1e-9)
+    others = [load for other, load in loads.items() if other != replica_id]
+    floor = math.ceil(mean - 1e-9) if is_whole else min(others, default=math.inf) + slack
+    return loads[replica_id] > max(floor, (1 + eps) * mean) + 1e-9

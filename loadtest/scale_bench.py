@@ -2,7 +2,10 @@
 app of a Serve config file under several engine setups, one after the other, each on a
 fresh local Ray (so every setup starts with empty prefix caches):
 
-    prefix-router   the config as it is (configs/scale-out.yaml: 2 replicas, PrefixAffinityRouter)
+    prefix-router   the config as it is (configs/scale-out.yaml: 2 replicas, PrefixAffinityRouter);
+                    prefix-router:load_unit=requests:load_bound_eps=0.5 the same with those
+                    request_router_kwargs changed (request_routing_stats_period_s=N too),
+                    so that router designs run side by side
     serve-default   the same with Serve's default router (PowerOfTwoChoicesRequestRouter)
     one-replica     1 engine replica with all the engine CPUs of the two (2x the threads)
 
@@ -37,6 +40,7 @@ from loadtest.results import BenchResult
 SERVE_DEFAULT_ROUTER = "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter"
 SETUPS = ("prefix-router", "serve-default", "one-replica")
 BLOCK_SIZE = 16
+_STATS_PERIOD = "request_routing_stats_period_s"
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,7 @@ class SetupResult:
     bench: BenchResult
     replicas: dict[str, ReplicaCounts]
     loads: ArrivalLoads  # requests in each replica when one arrived
+    work_loads: ArrivalLoads  # the same in work (loadtest/load_balance.py)
     ideal_hit_tokens: int
 
     @property
@@ -63,14 +68,30 @@ class SetupResult:
         return max(counts) / statistics.mean(counts)
 
 
+def parse_setup(setup: str) -> tuple[str, dict]:
+    """"prefix-router:load_unit=requests" -> ("prefix-router", {"load_unit": "requests"})."""
+    name, *pairs = setup.split(":")
+    if name not in SETUPS:
+        raise SystemExit(f"unknown setup {name!r}; choose from {', '.join(SETUPS)}")
+    if pairs and name != "prefix-router":
+        raise SystemExit(f"only prefix-router takes router kwargs, got {setup!r}")
+    return name, {key: yaml.safe_load(value) for key, value in (pair.split("=", 1) for pair in pairs)}
+
+
 def app_from_config(config_path: Path, setup: str, overrides: dict) -> serve.Application:
     """The config file's first application, as `serve run` would build it, for one setup."""
+    setup, router_kwargs = parse_setup(setup)
     application = yaml.safe_load(config_path.read_text())["applications"][0]
     args = copy.deepcopy(application["args"])
     args.update({k: v for k, v in overrides.items() if k != "engine"})
     args["engine"] = {**args.get("engine", {}), **overrides.get("engine", {})}
     options = {d["name"]: {k: v for k, v in d.items() if k != "name"} for d in application.get("deployments", [])}
     engine = options.setdefault("EngineDeployment", {})
+    if router_kwargs:
+        router = engine.setdefault("request_router_config", {})
+        if _STATS_PERIOD in router_kwargs:  # a request_router_config field, not a kwarg
+            router[_STATS_PERIOD] = router_kwargs.pop(_STATS_PERIOD)
+        router["request_router_kwargs"] = {**router.get("request_router_kwargs", {}), **router_kwargs}
     if setup == "serve-default":
         engine["request_router_config"] = {"request_router_class": SERVE_DEFAULT_ROUTER}
     elif setup == "one-replica":
@@ -101,18 +122,22 @@ def _run_setup(config_path: Path, setup: str, overrides: dict, workload: PrefixW
         bench = run_http(target, workload)
         after = engine_replica_counts()
         counts = {r: after[r].minus(before.get(r, ReplicaCounts(0, 0, 0))) for r in after}
-        loads = arrival_loads(read_load_logs(load_log_dir, started), load_bound_eps(config_path))
-        return SetupResult(setup, bench, counts, loads, workload.ideal_hit_tokens(BLOCK_SIZE))
+        logs, bound = read_load_logs(load_log_dir, started), router_kwargs(config_path, setup)
+        loads = arrival_loads(logs, bound["load_bound_eps"])
+        work_loads = arrival_loads(logs, bound["load_bound_eps"], decode_token_cost=bound["decode_token_cost"])
+        return SetupResult(setup, bench, counts, loads, work_loads, workload.ideal_hit_tokens(BLOCK_SIZE))
     finally:
         serve.shutdown()
         ray.shutdown()
 
 
-def load_bound_eps(config_path: Path) -> float:
-    """The config's load_bound_eps: every setup's loads are judged against the same bound."""
+def router_kwargs(config_path: Path, setup: str) -> dict:
+    """The bound a setup's loads are judged against: the config's PrefixAffinityRouter
+    kwargs with the setup's own (Serve's default router is judged against the config's)."""
     application = yaml.safe_load(config_path.read_text())["applications"][0]
     engine = next(d for d in application.get("deployments", []) if d["name"] == "EngineDeployment")
-    return engine.get("request_router_config", {}).get("request_router_kwargs", {}).get("load_bound_eps", 0.25)
+    kwargs = engine.get("request_router_config", {}).get("request_router_kwargs", {})
+    return {"load_bound_eps": 0.25, "decode_token_cost": 1.0, **kwargs, **parse_setup(setup)[1]}
 
 
 def _warm_up(url: str) -> None:
@@ -124,17 +149,22 @@ def _warm_up(url: str) -> None:
 
 def table(results: Sequence[SetupResult]) -> str:
     header = ("| setup | req/s | output tok/s | TTFT p50 ms | TTFT p95 ms | prefix hit rate | hits / ideal "
-              "| requests per replica | max/mean requests | busiest/mean at arrivals | over bound: at arrival / lasting | failed |")
-    rows = [header, "|" + "---|" * 12]
+              "| requests per replica | max/mean requests | busiest/mean at arrivals: requests, work "
+              "| over bound in requests: at arrival / lasting | in work | failed |")
+    rows = [header, "|" + "---|" * 13]
     for r in results:
         ideal = "-" if r.share_of_ideal is None else f"{r.share_of_ideal:.0%}"
         per_replica = " / ".join(str(c.num_requests) for c in sorted(r.replicas.values(), key=lambda c: -c.num_requests))
         rows.append(f"| {r.setup} | {r.bench.request_throughput:.2f} | {r.bench.output_throughput:.1f} "
                     f"| {r.bench.ttft_ms.p50:.0f} | {r.bench.ttft_ms.p95:.0f} | {r.hit_rate:.0%} | {ideal} "
-                    f"| {per_replica} | {r.max_over_mean_requests:.2f} | {r.loads.busiest_over_mean:.2f} "
-                    f"| {r.loads.num_over_bound} / {r.loads.num_over_bound_lasting} of {r.loads.num_arrivals} "
-                    f"| {r.bench.failures} |")
+                    f"| {per_replica} | {r.max_over_mean_requests:.2f} "
+                    f"| {r.loads.busiest_over_mean:.2f}, {r.work_loads.busiest_over_mean:.2f} "
+                    f"| {_over_bound(r.loads)} | {_over_bound(r.work_loads)} | {r.bench.failures} |")
     return "\n".join(rows)
+
+
+def _over_bound(loads: ArrivalLoads) -> str:
+    return f"{loads.num_over_bound} / {loads.num_over_bound_lasting} of {loads.num_arrivals}"
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -160,10 +190,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                               args.suffix_tokens, args.max_tokens, args.concurrency, args.hot_share, args.seed)
     overrides = {k: v for k, v in (("model", args.model), ("weights", args.weights), ("dtype", args.dtype)) if v}
     overrides["engine"] = {key: int(value) for key, value in (item.split("=", 1) for item in args.engine)}
+    setups = args.setups.split(",")
+    for setup in setups:
+        parse_setup(setup)  # a misspelt setup fails before the first one runs
     results = []
-    for setup in args.setups.split(","):
-        if setup not in SETUPS:
-            raise SystemExit(f"unknown setup {setup!r}; choose from {', '.join(SETUPS)}")
+    for setup in setups:
         results.append(run_setup(args.config, setup, overrides, workload, args.port))
     print(f"workload: {workload}")
     print(table(results))

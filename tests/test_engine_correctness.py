@@ -122,3 +122,18 @@ def test_bf16_greedy_agrees_with_hf_bf16_within_tolerance(tiny_gpt2_dir):
         assert out.token_ids[0] == reference[0]
         agreed += next((i for i, (a, b) in enumerate(zip(out.token_ids, reference)) if a != b), MAX_TOKENS)
     assert agreed / (len(prompts) * MAX_TOKENS) >= BF16_MIN_AGREEMENT
+
+
+def test_stats_count_the_prompt_tokens_not_yet_computed_and_the_tokens_still_to_decode(tiny_gpt2_dir):
+    engine = make_llm(tiny_gpt2_dir, max_num_batched_tokens=32).engine
+    engine.add_request("a", list(range(1000, 1040)), SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+    engine.add_request("b", list(range(2000, 2010)), SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    stats = engine.stats()
+    assert (stats.num_pending_prompt_tokens, stats.num_pending_decode_tokens) == (50, 8)
+    engine.step()  # 32 of a's 40 prompt tokens: no token yet
+    assert (engine.stats().num_pending_prompt_tokens, engine.stats().num_pending_decode_tokens) == (18, 8)
+    engine.step()  # a's last 8 and b's 10, one token each
+    assert (engine.stats().num_pending_prompt_tokens, engine.stats().num_pending_decode_tokens) == (0, 6)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert (engine.stats().num_pending_prompt_tokens, engine.stats().num_pending_decode_tokens) == (0, 0)

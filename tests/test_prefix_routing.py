@@ -11,7 +11,11 @@ import subprocess
 import sys
 from collections import Counter
 
-from deployments.prefix_routing import choose, load_bound, prefix_key, rendezvous_order
+from deployments.prefix_routing import (
+    Choice, block_hashes, choose, choose_by_work, load_bound, prefix_key, rendezvous_order, request_work,
+)
+from deployments.cache_shadow import CacheShadow
+from deployments.engine_load import LOAD_LOG_DIR_ENV, LoadLog, read_load_logs
 from engine.block_manager import BlockManager
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
@@ -123,3 +127,127 @@ def test_arrival_loads_count_the_placements_past_the_bound_from_the_replicas_log
 
 def test_requests_without_a_key_go_to_the_least_loaded():
     assert choose(None, {"a": 3, "b": 1, "c": 2}, eps=0.25).replica_id == "b"
+
+
+def test_block_hashes_are_the_engines_keys_of_the_prompts_full_blocks():
+    tokens = list(range(2000, 2000 + 5 * BLOCK + 3))
+    assert block_hashes(tokens, BLOCK) == engine_block_hashes(tokens)
+    exact = tokens[:5 * BLOCK]  # its last block holds the last token, always computed: no key
+    assert block_hashes(exact, BLOCK) == engine_block_hashes(exact)[:4]
+    assert block_hashes(tokens, BLOCK, max_blocks=2) == engine_block_hashes(tokens)[:2]
+
+
+def test_a_request_works_its_replica_for_the_prompt_it_does_not_hold_and_what_it_decodes():
+    assert request_work(272, 0, 16, decode_token_cost=1.0) == 288  # a miss
+    assert request_work(272, 256, 16, decode_token_cost=1.0) == 32  # its 256-token prefix cached
+    assert request_work(272, 256, 16, decode_token_cost=2.0) == 48
+
+
+def test_a_home_full_of_cached_prefixes_keeps_a_request_the_request_count_bound_spills():
+    """6 requests at home, 1 elsewhere, eps 0.5: the 8th passes 1.5 x the mean in requests,
+    but its home holds its prefix (and so its other six), so in work it is within the
+    bound, while on the other replica it would be a miss."""
+    key = prefix_key(list(range(100)), BLOCK, 4)
+    home, other = rendezvous_order(key, REPLICAS[:2])
+    assert choose(key, {home: 6, other: 1}, eps=0.5) == Choice(other, "spill")
+    hit, miss = request_work(272, 256, 16, 1.0), request_work(272, 0, 16, 1.0)
+    assert choose_by_work(key, {home: 6 * hit, other: miss}, {home: hit, other: miss}, eps=0.5) == Choice(home, "affinity")
+
+
+def test_in_work_a_home_past_the_bound_spills_to_its_second_choice():
+    key = prefix_key(list(range(100)), BLOCK, 4)
+    order = rendezvous_order(key, REPLICAS)
+    miss = request_work(272, 0, 16, 1.0)
+    loads = {order[0]: 4 * miss, order[1]: miss, order[2]: 0.0, order[3]: 0.0}
+    assert choose_by_work(key, loads, dict.fromkeys(REPLICAS, miss), eps=0.5) == Choice(order[1], "spill")
+
+
+def test_in_work_past_every_bound_the_replica_ending_with_least_work_takes_it():
+    """Little in flight: one miss outweighs the mean of the rest. Its home holds its
+    prefix, so it ends with less work there than on an empty replica that would miss."""
+    key = prefix_key(list(range(100)), BLOCK, 4)
+    home, other = rendezvous_order(key, REPLICAS[:2])
+    assert choose_by_work(key, {home: 200.0, other: 0.0}, {home: 32.0, other: 288.0}, eps=0.0) == Choice(home, "affinity")
+    assert choose_by_work(key, {home: 300.0, other: 0.0}, {home: 32.0, other: 288.0}, eps=0.0) == Choice(other, "spill")
+
+
+def test_in_work_every_placement_is_within_the_bound_or_ends_with_the_least_work():
+    rng = random.Random(5)
+    for _ in range(2000):
+        key = rng.getrandbits(60)
+        loads = {r: float(rng.randrange(0, 2000)) for r in REPLICAS[:rng.randrange(1, 5)]}
+        costs = {r: float(rng.choice([32, 288])) for r in loads}
+        eps = rng.choice([0.0, 0.25, 0.5, 1.0])
+        chosen = choose_by_work(key, loads, costs, eps).replica_id
+        after = loads[chosen] + costs[chosen]
+        within = after <= (1 + eps) * (sum(loads.values()) + costs[chosen]) / len(loads)
+        assert within or after == min(loads[r] + costs[r] for r in loads), (loads, costs, eps, chosen)
+
+
+def test_work_requests_without_a_key_go_where_they_end_with_least_work():
+    assert choose_by_work(None, {"a": 300.0, "b": 10.0, "c": 40.0}, dict.fromkeys("abc", 20.0), 0.5).replica_id == "b"
+
+
+def test_a_shadow_holds_the_leading_blocks_of_what_was_sent_to_each_replica():
+    shadow = CacheShadow()
+    prefix = list(range(4 * BLOCK))
+    shadow.record("a", block_hashes(prefix + list(range(500, 540)), BLOCK))
+    assert shadow.num_cached_blocks("a", block_hashes(prefix + [7] * 40, BLOCK)) == 4  # the shared prefix only
+    assert shadow.num_cached_blocks("b", block_hashes(prefix + [7] * 40, BLOCK)) == 0
+    assert shadow.num_cached_blocks("a", block_hashes([9] + prefix, BLOCK)) == 0  # a different first block
+
+
+def test_a_shadow_forgets_the_least_recently_sent_blocks_past_the_pool_and_a_prompts_tail_first():
+    shadow = CacheShadow()
+    old, new = block_hashes(list(range(0, 3 * BLOCK + 1)), BLOCK), block_hashes(list(range(900, 900 + 2 * BLOCK + 1)), BLOCK)
+    shadow.record("a", old, num_blocks=5)
+    shadow.record("a", new, num_blocks=5)
+    assert shadow.num_cached_blocks("a", new) == 2
+    assert shadow.num_cached_blocks("a", old) == 3
+    shadow.record("a", block_hashes(list(range(700, 700 + BLOCK + 1)), BLOCK), num_blocks=5)
+    assert shadow.num_cached_blocks("a", old) == 2  # its last block went first
+    shadow.keep_only(["b"])
+    assert shadow.num_cached_blocks("a", new) == 0
+
+
+def test_arrival_loads_in_work_weigh_each_request_by_the_prompt_its_replica_missed():
+    """b takes a miss (288 in work), then a takes three requests on a prefix it holds (32
+    each): past 1.25 x the mean in requests (3 of 4), well within it in work."""
+    miss, hit = (272, 272, 16), (272, 16, 16)  # prompt tokens, of those not cached, max_tokens
+    logs = {"b": [(1.0, 1, 1, *miss)], "a": [(2.0, 1, 1, *hit), (3.0, 2, 1, *hit), (4.0, 3, 1, *hit)]}
+    in_requests = arrival_loads(logs, eps=0.25, settle_s=0.5)
+    in_work = arrival_loads(logs, eps=0.25, settle_s=0.5, decode_token_cost=1.0)
+    assert (in_requests.num_arrivals, in_requests.num_over_bound, in_requests.num_over_bound_lasting) == (4, 1, 1)
+    assert (in_work.num_arrivals, in_work.num_over_bound, in_work.num_over_bound_lasting) == (4, 0, 0)
+
+
+def test_arrival_loads_in_work_count_a_replica_past_the_bound_where_a_miss_elsewhere_ended_lower():
+    """a holds a miss (288) and takes a hit (320) while b is empty: b taking it as a miss
+    would have ended at 288, so that is over; b's miss a moment later ends the breach."""
+    miss, hit = (272, 272, 16), (272, 16, 16)
+    logs = {"a": [(1.0, 1, 1, *miss), (2.0, 2, 1, *hit)], "b": [(3.0, 1, 1, *miss)]}
+    loads = arrival_loads(logs, eps=0.5, settle_s=1.5, decode_token_cost=1.0)
+    assert (loads.num_arrivals, loads.num_over_bound, loads.num_over_bound_lasting) == (3, 1, 0)
+    assert loads.busiest_over_mean == (288 + 320 + 320) / (144 + 160 + 304)
+
+
+def test_a_load_log_records_what_each_request_asks_of_its_replica(tmp_path, monkeypatch):
+    monkeypatch.setenv(LOAD_LOG_DIR_ENV, str(tmp_path))
+    log = LoadLog("r1", BLOCK, num_kv_blocks=64)
+    prefix = list(range(16 * BLOCK))
+    log.arrived("x", prefix + list(range(900, 916)), max_tokens=16)
+    log.arrived("y", prefix + list(range(800, 816)), max_tokens=8)  # its prefix was sent here: likely cached
+    log.left("x")
+    events = read_load_logs(tmp_path)["r1"]
+    assert [(e.num_open, e.delta, e.num_prompt_tokens, e.num_uncached_tokens, e.max_tokens) for e in events] == [
+        (1, 1, 272, 272, 16), (2, 1, 272, 16, 8), (1, -1, 272, 272, 16)]
+
+
+def test_in_work_a_prefix_cached_only_on_its_second_choice_stays_there_while_it_is_within_the_bound():
+    """A spill put the prefix on its second choice: computing it again at home would cost a
+    miss there and a second copy in the pools."""
+    key = prefix_key(list(range(100)), BLOCK, 4)
+    home, second = rendezvous_order(key, REPLICAS[:2])
+    costs = {home: 288.0, second: 32.0}
+    assert choose_by_work(key, {home: 0.0, second: 64.0}, costs, eps=0.5) == Choice(second, "affinity")
+    assert choose_by_work(key, {home: 0.0, second: 600.0}, costs, eps=0.5) == Choice(home, "spill")

@@ -39,8 +39,11 @@ BLOCK = 16  # EngineConfig's default block_size
 KEY_BLOCKS = 4
 EPS = 0.5
 ROUTER = {"request_router_class": "deployments.router:PrefixAffinityRouter",
-          "request_router_kwargs": {"load_bound_eps": EPS, "key_blocks": KEY_BLOCKS},
+          "request_router_kwargs": {"load_bound_eps": EPS, "key_blocks": KEY_BLOCKS, "load_unit": "requests"},
           "request_routing_stats_period_s": 0.2}
+DECODE_TOKEN_COST = 1.0
+WORK_ROUTER = {**ROUTER, "request_router_kwargs": {"load_bound_eps": EPS, "key_blocks": KEY_BLOCKS, "load_unit": "work",
+                                                   "decode_token_cost": DECODE_TOKEN_COST}}
 
 
 def app_args(tiny_gpt2_dir: Path) -> dict:
@@ -49,8 +52,8 @@ def app_args(tiny_gpt2_dir: Path) -> dict:
             "engine": {"num_kv_blocks": 256, "max_num_seqs": 32, "max_num_batched_tokens": 512}}
 
 
-def engine_options(num_replicas: int) -> dict:
-    return {"EngineDeployment": {"num_replicas": num_replicas, "request_router_config": ROUTER,
+def engine_options(num_replicas: int, router: dict = ROUTER) -> dict:
+    return {"EngineDeployment": {"num_replicas": num_replicas, "request_router_config": router,
                                  "graceful_shutdown_timeout_s": 5}}
 
 
@@ -232,8 +235,8 @@ class Traffic:
                     self.failures.append(f"{response.status_code} {response.text}")
 
 
-def redeploy(tiny_gpt2_dir: Path, num_replicas: int) -> None:
-    serve.run(make_app(app_args(tiny_gpt2_dir), engine_options(num_replicas)), name=APP, route_prefix="/")
+def redeploy(tiny_gpt2_dir: Path, num_replicas: int, router: dict = ROUTER) -> None:
+    serve.run(make_app(app_args(tiny_gpt2_dir), engine_options(num_replicas, router)), name=APP, route_prefix="/")
 
 
 def wait_for_replicas(num_replicas: int, timeout_s: float = 60) -> list[str]:
@@ -257,3 +260,71 @@ def check_keys_on_first_choice(base_url: str, prefixes: list[list[int]], replica
             before = served()
             complete(client, prefix + [301, 302])
             assert new_requests(before) == {r: 1 if r == first_choice else 0 for r in replica_ids}
+
+
+@pytest.fixture
+def work_router(server, tiny_gpt2_dir: Path) -> Iterator[list[str]]:
+    """The engine deployment routed with load_unit: work, for handles made from now on
+    (Callers: the ingress's handle keeps the router it made); its replica ids. The request
+    router again afterwards."""
+    redeploy(tiny_gpt2_dir, 2, WORK_ROUTER)
+    try:
+        yield wait_for_replicas(2)
+    finally:
+        redeploy(tiny_gpt2_dir, 2, ROUTER)
+
+
+def prompt_homed_on(rng: random.Random, replica_ids: list[str], home: str, num_tokens: int) -> list[int]:
+    """A random prompt whose key's rendezvous first choice is home."""
+    while True:
+        prompt = random_prompt(rng, num_tokens)
+        if rendezvous_order(prefix_key(prompt, BLOCK, KEY_BLOCKS), replica_ids)[0] == home:
+            return prompt
+
+
+def test_in_work_a_home_of_cached_requests_keeps_a_burst_the_request_bound_would_spill(work_router, load_log_dir):
+    """A long request on each replica (100 prompt tokens, 900 to decode), then 12 requests
+    on a prefix cached at its home, each 8 prompt tokens to compute and 32 to decode: 13 of
+    14 in flight is past 1.5 x the mean in requests (10 is the most), yet in work all 12
+    stay home and, as the replicas' own logs show, within the bound."""
+    rng, replica_ids, caller = random.Random(5), work_router, Caller.remote()
+    prefix = random_prompt(rng, 5 * BLOCK)
+    home, other = rendezvous_order(prefix_key(prefix, BLOCK, KEY_BLOCKS), replica_ids)
+    assert ray.get(caller.complete.remote([prefix + random_prompt(rng, 8)], 2)) == ["length"]  # now cached at home
+    before, started = served(), time.time()
+    long_ones = [caller.complete.remote([prompt_homed_on(rng, replica_ids, replica_id, 100)], 900)
+                 for replica_id in (home, other)]
+    time.sleep(0.3)
+    burst = caller.complete.remote([prefix + random_prompt(rng, 8) for _ in range(12)], 32)
+    assert ray.get([*long_ones, burst]) == [["length"], ["length"], ["length"] * 12]
+    ray.kill(caller)
+    assert new_requests(before) == {home: 13, other: 1}
+    logs = read_load_logs(load_log_dir, started)
+    assert arrival_loads(logs, EPS).num_over_bound_lasting >= 1  # in requests, the burst did pass the bound
+    in_work = arrival_loads(logs, EPS, decode_token_cost=DECODE_TOKEN_COST)
+    assert (in_work.num_arrivals, in_work.num_over_bound_lasting) == (14, 0), in_work
+
+
+def test_in_work_two_routers_agree_on_affinity_and_together_stay_within_the_bound(work_router, load_log_dir):
+    """As test_two_routers_..._within_the_bound, with the bound in work: each router counts
+    the other's requests (Serve's count beyond its own) as its own request would weigh."""
+    rng, replica_ids = random.Random(6), work_router
+    callers = [Caller.remote(), Caller.remote()]
+    for _ in range(4):
+        prefix = random_prompt(rng, 5 * BLOCK)
+        first_choice = rendezvous_order(prefix_key(prefix, BLOCK, KEY_BLOCKS), replica_ids)[0]
+        for caller in callers + callers:
+            before = served()
+            assert ray.get(caller.complete.remote([prefix + random_prompt(rng, 8)], 2)) == ["length"]
+            assert new_requests(before) == {r: 1 if r == first_choice else 0 for r in replica_ids}
+    prefix = random_prompt(rng, 5 * BLOCK)
+    order = rendezvous_order(prefix_key(prefix, BLOCK, KEY_BLOCKS), replica_ids)
+    before, started = served(), time.time()
+    bursts = [caller.complete.remote([prefix + random_prompt(rng, 8) for _ in range(12)], 48) for caller in callers]
+    assert ray.get(bursts) == [["length"] * 12] * 2
+    for caller in callers:
+        ray.kill(caller)
+    counts = new_requests(before)
+    assert counts[order[0]] > counts[order[1]] >= 1, counts
+    loads = arrival_loads(read_load_logs(load_log_dir, started), EPS, decode_token_cost=DECODE_TOKEN_COST)
+    assert (loads.num_arrivals, loads.num_over_bound_lasting) == (24, 0), loads
