@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import asdict, dataclass
+from collections.abc import Collection
 from pathlib import Path
 from typing import NamedTuple
 
@@ -109,10 +110,15 @@ class LoadLog:
         self._file.write(f"{time.time():.6f} {self.num_open} {delta} {' '.join(map(str, shape))}\n")
 
 
-def read_load_logs(directory: Path, since: float = 0.0) -> dict[str, list[LoadEvent]]:
-    """Every replica's LoadLog in directory, the events at or after `since` (time.time())."""
+def read_load_logs(directory: Path, since: float = 0.0,
+                   replica_ids: Collection[str] | None = None) -> dict[str, list[LoadEvent]]:
+    """Every replica's LoadLog in directory (or only replica_ids': a redeployed app leaves
+    its old replicas' logs, which would count as idle replicas), the events at or after
+    `since` (time.time())."""
     logs = {}
     for path in sorted(directory.glob("*.log")):
+        if replica_ids is not None and path.stem not in replica_ids:
+            continue
         events = [LoadEvent(float(t), *map(int, rest)) for t, *rest in (line.split() for line in path.read_text().splitlines())]
         logs[path.stem] = [event for event in events if event.time >= since]
     return logs

@@ -122,7 +122,7 @@ def _run_setup(config_path: Path, setup: str, overrides: dict, workload: PrefixW
         bench = run_http(target, workload)
         after = engine_replica_counts()
         counts = {r: after[r].minus(before.get(r, ReplicaCounts(0, 0, 0))) for r in after}
-        logs, bound = read_load_logs(load_log_dir, started), router_kwargs(config_path, setup)
+        logs, bound = read_load_logs(load_log_dir, started, list(after)), router_kwargs(config_path, setup)
         loads = arrival_loads(logs, bound["load_bound_eps"])
         work_loads = arrival_loads(logs, bound["load_bound_eps"], decode_token_cost=bound["decode_token_cost"])
         return SetupResult(setup, bench, counts, loads, work_loads, workload.ideal_hit_tokens(BLOCK_SIZE))

@@ -125,7 +125,7 @@ def test_bf16_greedy_agrees_with_hf_bf16_within_tolerance(tiny_gpt2_dir):
 
 
 def test_stats_count_the_prompt_tokens_not_yet_computed_and_the_tokens_still_to_decode(tiny_gpt2_dir):
-    engine = make_llm(tiny_gpt2_dir, max_num_batched_tokens=32).engine
+    engine = make_llm(tiny_gpt2_dir, max_num_seqs=8, max_num_batched_tokens=32).engine
     engine.add_request("a", list(range(1000, 1040)), SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
     engine.add_request("b", list(range(2000, 2010)), SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
     stats = engine.stats()

@@ -124,7 +124,8 @@ def test_a_burst_on_one_prefix_spills_to_its_second_choice_within_the_bound(serv
     base_url, metrics_url = server
     rng = random.Random(1)
     prefix = random_prompt(rng, 5 * BLOCK)
-    order = rendezvous_order(prefix_key(prefix, BLOCK, KEY_BLOCKS), list(engine_replicas()))
+    replica_ids = list(engine_replicas())
+    order = rendezvous_order(prefix_key(prefix, BLOCK, KEY_BLOCKS), replica_ids)
     before, started = served(), time.time()
     with httpx.Client(base_url=base_url, timeout=120) as client, ThreadPoolExecutor(24) as pool:
         list(pool.map(lambda _: complete(client, prefix + random_prompt(rng, 8), max_tokens=48), range(24)))
@@ -134,7 +135,7 @@ def test_a_burst_on_one_prefix_spills_to_its_second_choice_within_the_bound(serv
     assert counts[order[0]] >= counts[order[1]], counts  # and affinity kept the most at home
     # As the replicas saw it: no arrival left its replica past (1 + EPS) x the mean load
     # (beyond the few milliseconds in which requests routed at once arrive in any order).
-    loads = arrival_loads(read_load_logs(load_log_dir, started), EPS)
+    loads = arrival_loads(read_load_logs(load_log_dir, started, replica_ids), EPS)
     assert (loads.num_arrivals, loads.num_over_bound_lasting) == (24, 0), loads
     at_least = lambda n: lambda v: v >= n  # noqa: E731
     scrape_until(metrics_url, {
@@ -186,7 +187,7 @@ def test_two_routers_in_two_processes_agree_on_affinity_and_together_stay_within
         ray.kill(caller)
     counts = new_requests(before)
     assert counts[order[0]] > counts[order[1]] >= 1, counts
-    loads = arrival_loads(read_load_logs(load_log_dir, started), EPS)
+    loads = arrival_loads(read_load_logs(load_log_dir, started, replica_ids), EPS)
     assert (loads.num_arrivals, loads.num_over_bound_lasting) == (24, 0), loads
 
 
@@ -299,7 +300,7 @@ def test_in_work_a_home_of_cached_requests_keeps_a_burst_the_request_bound_would
     assert ray.get([*long_ones, burst]) == [["length"], ["length"], ["length"] * 12]
     ray.kill(caller)
     assert new_requests(before) == {home: 13, other: 1}
-    logs = read_load_logs(load_log_dir, started)
+    logs = read_load_logs(load_log_dir, started, replica_ids)
     assert arrival_loads(logs, EPS).num_over_bound_lasting >= 1  # in requests, the burst did pass the bound
     in_work = arrival_loads(logs, EPS, decode_token_cost=DECODE_TOKEN_COST)
     assert (in_work.num_arrivals, in_work.num_over_bound_lasting) == (14, 0), in_work
@@ -326,5 +327,5 @@ def test_in_work_two_routers_agree_on_affinity_and_together_stay_within_the_boun
         ray.kill(caller)
     counts = new_requests(before)
     assert counts[order[0]] > counts[order[1]] >= 1, counts
-    loads = arrival_loads(read_load_logs(load_log_dir, started), EPS, decode_token_cost=DECODE_TOKEN_COST)
+    loads = arrival_loads(read_load_logs(load_log_dir, started, replica_ids), EPS, decode_token_cost=DECODE_TOKEN_COST)
     assert (loads.num_arrivals, loads.num_over_bound_lasting) == (24, 0), loads
