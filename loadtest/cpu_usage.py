@@ -24,16 +24,18 @@ class ProcessCpu:
     pid: int
     name: str
     cpu_s: float  # user + system
+    started: float = 0.0  # its create_time: with the pid, who it is (a Ray worker retitles itself per task)
 
 
 def cpu_snapshot() -> dict[int, ProcessCpu]:
     """Every process's CPU seconds so far, plus those of this process's exited children."""
     snapshot = {}
-    for process in psutil.process_iter(["pid", "name", "cmdline", "cpu_times"]):
-        times = process.info["cpu_times"]
-        if times is not None:
-            name = _name(process.info["name"] or "", process.info["cmdline"] or [])
-            snapshot[process.info["pid"]] = ProcessCpu(process.info["pid"], name, times.user + times.system)
+    for process in psutil.process_iter(["pid", "name", "cmdline", "cpu_times", "create_time"]):
+        info = process.info
+        if info["cpu_times"] is not None:
+            name = _name(info["name"] or "", info["cmdline"] or [])
+            cpu_s = info["cpu_times"].user + info["cpu_times"].system
+            snapshot[info["pid"]] = ProcessCpu(info["pid"], name, cpu_s, info["create_time"] or 0.0)
     children = resource.getrusage(resource.RUSAGE_CHILDREN)
     snapshot[_CHILDREN_PID] = ProcessCpu(_CHILDREN_PID, "exited children of the bench",
                                          children.ru_utime + children.ru_stime)
@@ -45,7 +47,7 @@ def cpu_since(before: dict[int, ProcessCpu]) -> list[ProcessCpu]:
     rows = []
     for pid, now in cpu_snapshot().items():
         then = before.get(pid)
-        spent = now.cpu_s - (then.cpu_s if then is not None and then.name == now.name else 0.0)
+        spent = now.cpu_s - (then.cpu_s if then is not None and then.started == now.started else 0.0)
         if spent >= _MIN_CPU_S:
             rows.append(ProcessCpu(pid, now.name, spent))
     return sorted(rows, key=lambda row: row.cpu_s, reverse=True)

@@ -80,6 +80,19 @@ def test_cpu_since_counts_what_this_process_burns() -> None:
     assert len(mine) == 1 and mine[0].cpu_s >= 0.25
 
 
+def test_cpu_since_counts_a_process_that_retitled_itself_from_the_snapshot_not_from_its_start(monkeypatch) -> None:
+    """Ray workers set their title to the task they run (EngineDeployment.record_routing_stats):
+    the same process, whose CPU before the run must not count."""
+    before = cpu_snapshot()
+    mine = before[os.getpid()]
+    monkeypatch.setattr("loadtest.cpu_usage._name", lambda name, cmdline: "ray::retitled")
+    deadline = time.process_time() + 0.2
+    while time.process_time() < deadline:
+        pass
+    row = next(row for row in cpu_since(before) if row.pid == os.getpid())
+    assert row.name == "ray::retitled" and 0.15 <= row.cpu_s < mine.cpu_s  # this test's burn, not the process's life
+
+
 def test_the_peer_table_config_serves_the_checkpoint_and_sets_the_engine_env(tmp_path: Path) -> None:
     config = serve_config(ROOT / "configs" / "gpt2.yaml", tmp_path, "bfloat16",
                           {"engine": {"num_threads": 1}}, {"KMP_BLOCKTIME": "1"})
