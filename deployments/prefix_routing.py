@@ -13,8 +13,11 @@
     load     in requests (`choose`), or in work (`choose_by_work`): the prompt tokens a
              replica must still compute plus the tokens it must decode, so a request whose
              prefix its replica holds weighs what it costs there, its suffix, and a
-             request counts more on a replica that would miss its prefix; in work, the
-             replicas likely holding the prefix come first, in rendezvous order among them
+             request counts more on a replica that would miss its prefix
+    cached   the replicas likely holding the prompt's blocks (the router's CacheShadow)
+             come first, rendezvous order among equals; a prompt none holds is placed at
+             the even split (eps 0), as a balancing router would: affinity pays only once
+             a replica holds the prefix
 
 Pure functions, no Ray: deployments/router.py feeds them what Serve knows.
 """
@@ -78,11 +81,19 @@ def load_bound(total_load: int, num_replicas: int, eps: float) -> int:
     return max(math.ceil(mean), math.floor((1 + eps) * mean + 1e-9))
 
 
-def choose(key: int | None, loads: Mapping[str, int], eps: float) -> Choice:
-    """loads: every candidate replica's current load (requests in it)."""
+def choose(key: int | None, loads: Mapping[str, int], eps: float, cached: Mapping[str, int] | None = None) -> Choice:
+    """loads: every candidate replica's current load (requests in it). cached: how many
+    of the prompt's blocks each replica likely holds (a router's CacheShadow): those
+    holding more come first, rendezvous order among equals, so a prefix stays where a
+    spill computed it. Where no replica holds any (no shared prefix, or one not seen
+    yet), affinity buys nothing, and the bound is the even split (eps 0): a cold prompt
+    costs what it would under a balancing router."""
     if key is None:
         return Choice(_least_loaded(loads), "least_loaded")
     order = rendezvous_order(key, list(loads))
+    if cached is not None:
+        order.sort(key=lambda replica_id: -cached.get(replica_id, 0))  # stable: rendezvous among equals
+        eps = eps if any(cached.values()) else 0.0
     bound = load_bound(sum(loads.values()), len(loads), eps)
     for replica_id in order:
         if loads[replica_id] + 1 <= bound:

@@ -125,7 +125,10 @@ class PrefixAffinityRouter(RequestRouter):
         """The replica, and the work the request asks of it."""
         key = prompt.key(self._key_blocks) if prompt is not None else None
         if self._load_unit == "requests":
-            return choose(key, self._request_loads(replicas), self._eps), 1.0
+            cached = None if prompt is None else {
+                r.replica_id.unique_id: self._shadow.num_cached_blocks(r.replica_id.unique_id, prompt.hashes)
+                for r in replicas}
+            return choose(key, self._request_loads(replicas), self._eps, cached), 1.0
         loads, costs = self._work_loads(prompt, replicas)
         choice = choose_by_work(key, loads, costs, self._eps)
         return choice, costs[choice.replica_id]

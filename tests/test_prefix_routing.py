@@ -125,6 +125,26 @@ def test_arrival_loads_count_the_placements_past_the_bound_from_the_replicas_log
     assert loads.busiest_over_mean == (1 + 2 + 2 + 3) / (0.5 + 1 + 1.5 + 2)
 
 
+def test_a_prompt_no_replica_holds_goes_where_the_load_is_even_not_past_its_home():
+    """No shared prefix (or one not seen yet): affinity buys nothing, so the bound is the
+    even split. Home at 4 of 7 would be within 1.5 x the mean; it goes to the other."""
+    key = prefix_key(list(range(100)), BLOCK, 4)
+    home, other = rendezvous_order(key, REPLICAS[:2])
+    cold = {home: 0, other: 0}
+    assert choose(key, {home: 3, other: 3}, eps=0.5, cached=cold) == Choice(home, "affinity")  # within the even split
+    assert choose(key, {home: 4, other: 3}, eps=0.5, cached=cold) == Choice(other, "spill")
+    assert choose(key, {home: 4, other: 3}, eps=0.5) == Choice(home, "affinity")  # without a shadow: rendezvous
+
+
+def test_a_prefix_stays_where_it_is_cached_even_where_a_spill_put_it():
+    key = prefix_key(list(range(100)), BLOCK, 4)
+    home, other = rendezvous_order(key, REPLICAS[:2])
+    assert choose(key, {home: 0, other: 0}, eps=0.5, cached={home: 0, other: 6}) == Choice(other, "affinity")
+    assert choose(key, {home: 0, other: 0}, eps=0.5, cached={home: 6, other: 6}) == Choice(home, "affinity")
+    assert choose(key, {home: 2, other: 3}, eps=0.5, cached={home: 0, other: 6}) == Choice(other, "affinity")  # 4 of 6
+    assert choose(key, {home: 1, other: 4}, eps=0.5, cached={home: 0, other: 6}) == Choice(home, "spill")
+
+
 def test_requests_without_a_key_go_to_the_least_loaded():
     assert choose(None, {"a": 3, "b": 1, "c": 2}, eps=0.25).replica_id == "b"
 

@@ -191,9 +191,13 @@ def test_two_routers_in_two_processes_agree_on_affinity_and_together_stay_within
     assert (loads.num_arrivals, loads.num_over_bound_lasting) == (24, 0), loads
 
 
-def test_replicas_added_and_removed_mid_run_take_over_keys_without_a_failed_request(server, tiny_gpt2_dir):
-    """Traffic runs through each change; between changes it pauses so that the check sees
-    only its own requests."""
+def test_replicas_added_and_removed_mid_run_keep_cached_keys_and_take_new_ones_without_a_failed_request(
+        server, tiny_gpt2_dir):
+    """Traffic on 8 prefixes runs through each change. After it, on an idle app, each of
+    those prefixes goes to one replica every time (where it is cached: an added replica
+    does not take a key another one holds, it would only compute it again; a removed
+    replica's keys find a new home), and fresh prefixes go to their first choice among the
+    replicas now running, the added one included."""
     base_url, _ = server
     rng = random.Random(2)
     prefixes = [random_prompt(rng, 5 * BLOCK) for _ in range(8)]
@@ -202,8 +206,23 @@ def test_replicas_added_and_removed_mid_run_take_over_keys_without_a_failed_requ
         with traffic.running():
             redeploy(tiny_gpt2_dir, num_replicas)
             replica_ids = wait_for_replicas(num_replicas)
-        check_keys_on_first_choice(base_url, prefixes, replica_ids)
+        check_keys_stay(base_url, prefixes, replica_ids)
+        fresh = [random_prompt(rng, 5 * BLOCK) for _ in range(24)]
+        homes = {rendezvous_order(prefix_key(prefix, BLOCK, KEY_BLOCKS), replica_ids)[0] for prefix in fresh}
+        assert homes == set(replica_ids)  # 24 keys: every replica is some key's first choice
+        check_keys_on_first_choice(base_url, fresh, replica_ids)
     assert traffic.num_ok > 0 and traffic.failures == []
+
+
+def check_keys_stay(base_url: str, prefixes: list[list[int]], replica_ids: list[str]) -> None:
+    with httpx.Client(base_url=base_url, timeout=60) as client:
+        for prefix in prefixes:
+            served_by = []
+            for _ in range(2):
+                before = served()
+                complete(client, prefix + [301, 302])
+                served_by += [r for r, n in new_requests(before).items() if n]
+            assert len(served_by) == 2 and served_by[0] == served_by[1] in replica_ids, served_by
 
 
 class Traffic:
