@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import psutil
 import pytest
@@ -223,3 +224,25 @@ def test_idle_step_loop_trims_the_heap_once_per_idle_period(tiny_gpt2_dir, monke
         asyncio.run(run())
     finally:
         engine.shutdown()
+
+
+def test_a_replicas_load_report_is_current_while_idle_and_counts_the_work_ahead_while_busy(engine):
+    """What the router reads (deployments/engine_load.py): the engine's pending work as of
+    its last step while requests are open; zero, stamped now, once none is, so that an idle
+    replica's report never goes stale."""
+    from deployments.engine_load import EngineLoad
+
+    async def main():
+        stream = engine.generate("busy", list(range(300, 340)), SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
+        await anext(stream)  # the prompt computed, the first token out
+        busy = EngineLoad.of(engine, 1)
+        await stream.aclose()
+        await wait_until(lambda: engine.num_active_requests() == 0)
+        return busy
+
+    busy = asyncio.run(main())
+    assert busy.num_pending_prompt_tokens == 0 and 0 < busy.num_pending_decode_tokens < 50
+    time.sleep(0.2)
+    idle = EngineLoad.of(engine, 1)
+    assert (idle.num_pending_prompt_tokens, idle.num_pending_decode_tokens) == (0, 0)
+    assert time.time() - idle.pending_at < 0.1
