@@ -44,7 +44,7 @@ def test_without_preload_or_env_the_engine_gets_no_runtime_env() -> None:
 
 
 def test_engine_cpu_replicas_sets_the_replica_count_on_cpu_and_never_on_gpus() -> None:
-    """configs/gpt2.yaml runs 2 CPU replicas but still runs as is on a 1-GPU machine."""
+    """engine_cpu_replicas: 2 runs 2 CPU replicas, and the same config still runs as is on a 1-GPU machine."""
     args = AppArgs(engine_cpu_replicas=2, engine_num_cpus=0.75)
     assert engine_deployment_options(args, 0)["num_replicas"] == 2
     assert "num_replicas" not in engine_deployment_options(args, 1)

@@ -28,11 +28,11 @@ def test_each_variant_is_an_application_at_its_own_prefix_with_its_args_and_env(
 
 
 def test_variants_ask_ray_for_token_cpus_and_keep_their_engine_threads(tmp_path: Path) -> None:
-    variants = [Variant.parse("one", "{}"), Variant.parse("two", '{"args": {"engine_num_cpus": 1.5}}')]
+    variants = [Variant.parse("two", "{}"), Variant.parse("one", '{"args": {"engine_num_cpus": 0.75}}')]
     config = variants_config(ROOT / "configs" / "gpt2.yaml", tmp_path, "bfloat16", variants)
-    one, two = config["applications"]
-    # gpt2.yaml's engine_num_cpus 0.75 runs 1 torch thread; 1.5 runs 2 (ceil), as build_app sizes them.
-    assert (one["args"]["engine"]["num_threads"], two["args"]["engine"]["num_threads"]) == (1, 2)
+    two, one = config["applications"]
+    # gpt2.yaml's engine_num_cpus 1.5 runs 2 torch threads (ceil); 0.75 runs 1, as build_app sizes them.
+    assert (two["args"]["engine"]["num_threads"], one["args"]["engine"]["num_threads"]) == (2, 1)
     for app in (one, two):
         assert app["args"]["engine_num_cpus"] <= 0.01
         cpus = [d["ray_actor_options"]["num_cpus"] for d in app["deployments"] if d["name"] != "EngineDeployment"]
