@@ -100,7 +100,7 @@ class StepLoop:
             logger.exception("engine step loop crashed")
             self.error = EngineDeadError(f"engine step loop crashed: {exc!r}")
             for loop in set(self._loops.values()):
-                loop.call_soon_threadsafe(self.on_output, EngineFailed(self.error))
+                _send(loop, self.on_output, EngineFailed(self.error))
 
     def _loop_forever(self) -> None:
         while self._wait_for_work():
@@ -143,7 +143,7 @@ class StepLoop:
                     self.engine.add_request(request_id, prompt_token_ids, params)
                     self._loops[request_id] = loop
                 except ValueError as exc:
-                    loop.call_soon_threadsafe(self.on_output, RequestRejected(request_id, exc))
+                    _send(loop, self.on_output, RequestRejected(request_id, exc))
             case AbortRequest(request_id):
                 self.engine.abort_request(request_id)
                 self._loops.pop(request_id, None)
@@ -164,4 +164,21 @@ class StepLoop:
             if output.finish_reason is not None:
                 del self._loops[output.request_id]
         for loop, batch in by_loop.items():
-            loop.call_soon_threadsafe(self.on_output, StepOutputs(batch, self.step_rate.per_s))
+            if not _send(loop, self.on_output, StepOutputs(batch, self.step_rate.per_s)):
+                self._abandon(loop)
+
+    def _abandon(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Abort the requests of an event loop that closed under them: nobody can receive
+        their tokens, and their KV blocks must not wait for an abort that will never come."""
+        for request_id in [r for r, request_loop in self._loops.items() if request_loop is loop]:
+            self.engine.abort_request(request_id)
+            del self._loops[request_id]
+
+
+def _send(loop: asyncio.AbstractEventLoop, callback, item) -> bool:
+    """callback(item) on the consumer's event loop; False where that loop has closed."""
+    try:
+        loop.call_soon_threadsafe(callback, item)
+    except RuntimeError:  # asyncio's "Event loop is closed"
+        return False
+    return True

@@ -101,6 +101,22 @@ def test_breaking_out_of_a_stream_aborts_the_request_and_frees_its_blocks(engine
     asyncio.run(engine.check_integrity())  # on the loop thread, between steps
 
 
+def test_an_event_loop_closed_under_an_open_stream_frees_its_request_and_the_engine_serves_on(engine):
+    """The consumer's loop goes away with its request still running (no abort ever sent):
+    the step loop drops that loop's outputs, aborts the request and keeps serving."""
+    loop = asyncio.new_event_loop()
+    stream = engine.generate("orphan", list(range(40)), SamplingParams(max_tokens=500, temperature=0, ignore_eos=True))
+    loop.run_until_complete(anext(stream))
+    loop.close()
+    deadline = time.monotonic() + 10
+    while engine.stats().num_kv_blocks_used or engine.stats().num_running:
+        assert time.monotonic() < deadline, "the orphaned request kept its blocks"
+        time.sleep(0.01)
+    assert engine.step_loop.is_alive()
+    chunks, tokens = asyncio.run(collect(engine, "after", list(range(8))))
+    assert len(tokens) == GREEDY.max_tokens and chunks[-1].finish_reason == "length"
+
+
 def test_cancelling_the_consumer_task_aborts_the_request(engine):
     async def consume():
         async for _ in engine.generate("cancel-me", [5] * 30, SamplingParams(max_tokens=500, temperature=0, ignore_eos=True)):
