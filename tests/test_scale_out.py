@@ -168,10 +168,16 @@ def test_two_routers_in_two_processes_agree_on_affinity_and_together_stay_within
     """Each router sees only its own requests at once and the replicas' last counts: each
     prefix still lands on one replica whichever process routes it, and a burst from both
     at once stays within the bound, since each bounds its own share."""
-    rng = random.Random(4)
+    check_two_routers(random.Random(4), list(engine_replicas()), load_log_dir, num_prefixes=6, decode_token_cost=None)
+
+
+def check_two_routers(rng: random.Random, replica_ids: list[str], load_log_dir: Path, num_prefixes: int,
+                      decode_token_cost: float | None) -> None:
+    """Two Callers: sequential requests on each prefix all go to its first choice; then a
+    burst of 12 from each on one prefix: most at home, some spilled, and (by the replicas'
+    load logs, in requests or in work) no arrival lastingly past the bound."""
     callers = [Caller.remote(), Caller.remote()]
-    replica_ids = list(engine_replicas())
-    for _ in range(6):
+    for _ in range(num_prefixes):
         prefix = random_prompt(rng, 5 * BLOCK)
         first_choice = rendezvous_order(prefix_key(prefix, BLOCK, KEY_BLOCKS), replica_ids)[0]
         for caller in callers + callers:
@@ -187,7 +193,7 @@ def test_two_routers_in_two_processes_agree_on_affinity_and_together_stay_within
         ray.kill(caller)
     counts = new_requests(before)
     assert counts[order[0]] > counts[order[1]] >= 1, counts
-    loads = arrival_loads(read_load_logs(load_log_dir, started, replica_ids), EPS)
+    loads = arrival_loads(read_load_logs(load_log_dir, started, replica_ids), EPS, decode_token_cost=decode_token_cost)
     assert (loads.num_arrivals, loads.num_over_bound_lasting) == (24, 0), loads
 
 
@@ -326,25 +332,6 @@ def test_in_work_a_home_of_cached_requests_keeps_a_burst_the_request_bound_would
 
 
 def test_in_work_two_routers_agree_on_affinity_and_together_stay_within_the_bound(work_router, load_log_dir):
-    """As test_two_routers_..._within_the_bound, with the bound in work: each router counts
-    the other's requests (Serve's count beyond its own) as its own request would weigh."""
-    rng, replica_ids = random.Random(6), work_router
-    callers = [Caller.remote(), Caller.remote()]
-    for _ in range(4):
-        prefix = random_prompt(rng, 5 * BLOCK)
-        first_choice = rendezvous_order(prefix_key(prefix, BLOCK, KEY_BLOCKS), replica_ids)[0]
-        for caller in callers + callers:
-            before = served()
-            assert ray.get(caller.complete.remote([prefix + random_prompt(rng, 8)], 2)) == ["length"]
-            assert new_requests(before) == {r: 1 if r == first_choice else 0 for r in replica_ids}
-    prefix = random_prompt(rng, 5 * BLOCK)
-    order = rendezvous_order(prefix_key(prefix, BLOCK, KEY_BLOCKS), replica_ids)
-    before, started = served(), time.time()
-    bursts = [caller.complete.remote([prefix + random_prompt(rng, 8) for _ in range(12)], 48) for caller in callers]
-    assert ray.get(bursts) == [["length"] * 12] * 2
-    for caller in callers:
-        ray.kill(caller)
-    counts = new_requests(before)
-    assert counts[order[0]] > counts[order[1]] >= 1, counts
-    loads = arrival_loads(read_load_logs(load_log_dir, started, replica_ids), EPS, decode_token_cost=DECODE_TOKEN_COST)
-    assert (loads.num_arrivals, loads.num_over_bound_lasting) == (24, 0), loads
+    """As test_two_routers_..._within_the_bound, with the bound in work: each router reads
+    the replicas' reported pending work (every router's) plus its own requests since."""
+    check_two_routers(random.Random(6), work_router, load_log_dir, num_prefixes=4, decode_token_cost=DECODE_TOKEN_COST)
