@@ -43,12 +43,16 @@ class EngineLoad:
         # The pending counts are as of the engine's last step; with no request open they are
         # zero now, and say so: an idle replica's report never ages into "unknown", where a
         # router would fall back on Serve's queue-length cache, which lags completions.
-        pending = (stats.num_pending_prompt_tokens, stats.num_pending_decode_tokens, stats.taken_at) if num_active \
-            else (0, 0, time.time())
+        if num_active:
+            pending_prompt, pending_decode, pending_at = (stats.num_pending_prompt_tokens,
+                                                          stats.num_pending_decode_tokens, stats.taken_at)
+        else:
+            pending_prompt, pending_decode, pending_at = 0, 0, time.time()
         return cls(num_active=num_active, num_waiting=num_waiting,
                    num_waiting_prompt_tokens=num_waiting_tokens, kv_cache_usage=stats.kv_cache_usage,
                    block_size=engine.config.block_size, num_kv_blocks=stats.num_kv_blocks_total,
-                   num_pending_prompt_tokens=pending[0], num_pending_decode_tokens=pending[1], pending_at=pending[2],
+                   num_pending_prompt_tokens=pending_prompt, num_pending_decode_tokens=pending_decode,
+                   pending_at=pending_at,
                    num_requests=num_requests,
                    num_prefix_queried_tokens=stats.num_prefix_queried_tokens,
                    num_prefix_hit_tokens=stats.num_prefix_hit_tokens)

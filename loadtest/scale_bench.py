@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import inspect
 import os
 import statistics
 import tempfile
@@ -33,6 +34,7 @@ from ray import serve
 from deployments.app import make_app
 from loadtest.http_target import Target
 from deployments.engine_load import LOAD_LOG_DIR_ENV, read_load_logs
+from deployments.router import PrefixAffinityRouter
 from loadtest.load_balance import ArrivalLoads, arrival_loads
 from loadtest.prefix_workloads import PrefixWorkload, ReplicaCounts, engine_replica_counts, run_http
 from loadtest.results import BenchResult
@@ -41,6 +43,10 @@ SERVE_DEFAULT_ROUTER = "ray.serve._private.request_router:PowerOfTwoChoicesReque
 SETUPS = ("prefix-router", "serve-default", "one-replica")
 BLOCK_SIZE = 16
 _STATS_PERIOD = "request_routing_stats_period_s"
+# The router's own defaults, for a config that leaves a kwarg out.
+_ROUTER_DEFAULTS = {name: parameter.default for name, parameter
+                    in inspect.signature(PrefixAffinityRouter.initialize_state).parameters.items()
+                    if parameter.default is not inspect.Parameter.empty}
 
 
 @dataclass(frozen=True)
@@ -137,7 +143,7 @@ def router_kwargs(config_path: Path, setup: str) -> dict:
     application = yaml.safe_load(config_path.read_text())["applications"][0]
     engine = next(d for d in application.get("deployments", []) if d["name"] == "EngineDeployment")
     kwargs = engine.get("request_router_config", {}).get("request_router_kwargs", {})
-    return {"load_bound_eps": 0.25, "decode_token_cost": 1.0, **kwargs, **parse_setup(setup)[1]}
+    return {**_ROUTER_DEFAULTS, **kwargs, **parse_setup(setup)[1]}
 
 
 def _warm_up(url: str) -> None:

@@ -4,8 +4,12 @@ and the ideal hit count is one miss per prefix."""
 
 from __future__ import annotations
 
+import inspect
 from collections import Counter
 
+import yaml
+
+from deployments.router import PrefixAffinityRouter
 from loadtest.prefix_workloads import PrefixWorkload
 
 
@@ -36,3 +40,19 @@ def test_the_prefix_free_workload_shares_no_prefix():
 def test_the_ideal_is_one_miss_per_prefix():
     workload = PrefixWorkload("shared", num_requests=30, num_prefixes=3, prefix_tokens=40)
     assert workload.ideal_hit_tokens(16) == (30 - 3) * 32
+
+
+def test_each_setup_is_judged_against_its_routers_bound_with_the_routers_own_defaults(tmp_path):
+    """scale_bench: the config's request_router_kwargs, then the setup's; what both leave
+    out is what PrefixAffinityRouter itself defaults to."""
+    from loadtest.scale_bench import router_kwargs
+
+    config = tmp_path / "router.yaml"
+    config.write_text(yaml.safe_dump({"applications": [{"deployments": [{
+        "name": "EngineDeployment",
+        "request_router_config": {"request_router_kwargs": {"load_bound_eps": 0.5}}}]}]}))
+    kwargs = router_kwargs(config, "prefix-router:load_unit=work:decode_token_cost=2")
+    defaults = inspect.signature(PrefixAffinityRouter.initialize_state).parameters
+    assert (kwargs["load_bound_eps"], kwargs["load_unit"], kwargs["decode_token_cost"]) == (0.5, "work", 2)
+    assert kwargs["key_blocks"] == defaults["key_blocks"].default
+    assert router_kwargs(config, "serve-default")["decode_token_cost"] == defaults["decode_token_cost"].default
