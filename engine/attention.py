@@ -92,13 +92,16 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 def decode_attention_with_own(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                              v_cache: torch.Tensor, block_tables: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """decode_attention for queries whose own k, v [B, H, D] are not in the pools yet: `mask`
-    covers the cached keys only, and each query also attends to its own key.
+                              v_cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
+    """decode_attention for queries whose own k, v [B, H, D] are not in the pools yet: each
+    attends to its context_lens [B] cached tokens and to its own key. The signature of
+    torch.ops.rayinfer.decode_attention (engine/native_attention.py), whose reference this is.
 
     Leaves the pools unwritten, so a compiled graph of the whole decode forward stays free
     of mutation (the caller writes k, v after it).
     """
+    keys = torch.arange(block_tables.shape[1] * k_cache.shape[2], device=q.device)
+    mask = keys.unsqueeze(0) < context_lens.unsqueeze(1)  # [B, L]: the cached tokens
     queries = q.transpose(0, 1).float()  # [H, B, D]
     cached = _cached_scores(queries, k_cache, block_tables, mask)
     own = (queries * k.transpose(0, 1).float()).sum(-1, keepdim=True) * q.shape[-1] ** -0.5  # [H, B, 1]

@@ -48,6 +48,10 @@ class EngineConfig:
     # inverse-CDF draw) compiles with it, so a sampled step leaves eager ATen too. Off by
     # default so that tests and scripts start at once; configs/gpt2.yaml sets auto.
     compile_decode: bool | Literal["auto"] = False
+    # The compiled decode graph's attention. native: our C++ kernel (engine/native_attention.py,
+    # built once per machine for the probed ISA, ~10 s); torch: the same math as a PyTorch
+    # expression inductor compiles; auto: native on CPU where it builds, else torch, logged.
+    decode_attention: Literal["auto", "native", "torch"] = "auto"
     seed: int = 0
     block_size: int = 16
     # KV pool size: a block count wins over a memory budget; neither means "fit max_num_seqs
@@ -70,6 +74,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
         if self.compile_decode not in (True, False, "auto"):
             raise ValueError(f"compile_decode must be true, false or auto, got {self.compile_decode!r}")
+        if self.decode_attention not in ("auto", "native", "torch"):
+            raise ValueError(f"decode_attention must be auto, native or torch, got {self.decode_attention!r}")
         if self.linears not in ("auto", "reference"):
             raise ValueError(f"linears must be auto or reference, got {self.linears!r}")
         if not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):

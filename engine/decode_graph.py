@@ -1,7 +1,8 @@
 """Decode-only steps through one inductor graph of the whole forward (`compile_decode: true`),
 as vLLM's CPU worker runs its model: weights frozen into the graph, LayerNorm, GELU and
 residual adds fused around the linears, and the paged pools read in place by the attention
-(engine/attention.py decode_attention_with_own). The linears are the model's own: its
+(our C++ kernel, engine/native_attention.py, or the expression inductor compiles,
+engine/attention.py decode_attention_with_own: `decode_attention` in the config). The linears are the model's own: its
 oneDNN-prepacked ones (`linears: auto`), which eager prefill steps share, or nn.Linear
 (`linears: reference`), which inductor packs itself.
 
@@ -29,6 +30,7 @@ import torch
 
 from engine.inductor import compile_for
 from engine.models.gpt2 import GPT2LMHead
+from engine.native_attention import DecodeAttention
 
 logger = logging.getLogger(__name__)
 
@@ -45,19 +47,21 @@ def write_new_kv(kv_pool: torch.Tensor, new_kv: torch.Tensor, slot_mapping: torc
     rows.index_copy_(1, slot_mapping, new_kv)
 
 
-def decode_step(model: GPT2LMHead, input_ids: torch.Tensor, positions: torch.Tensor, kv_pool: torch.Tensor,
-                block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def decode_step(model: GPT2LMHead, attention: DecodeAttention, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_pool: torch.Tensor, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """What the graph computes: float32 logits [B, vocab], greedy tokens [B] and the new
     k, v of every layer as [n_layer * 2 * H, B, D], the pool's row order."""
-    logits, keys, values = model.decode(input_ids, positions, layer_caches(kv_pool), block_tables)
+    logits, keys, values = model.decode(input_ids, positions, layer_caches(kv_pool), block_tables, attention)
     new_kv = torch.stack([keys, values], dim=1).permute(0, 1, 3, 2, 4)  # [n_layer, 2, H, B, D]
     return logits, logits.argmax(dim=-1), new_kv.flatten(0, 2)
 
 
 class DecodeGraph:
-    def __init__(self, model: GPT2LMHead, device: torch.device):
+    def __init__(self, model: GPT2LMHead, device: torch.device, attention: DecodeAttention):
         # freezing also lowers the prepacked linears: inductor takes their weights only as constants
-        self._compiled = compile_for(device, functools.partial(decode_step, model), dynamic=True, freezing=True)
+        self.attention = attention
+        step = functools.partial(decode_step, model, attention)
+        self._compiled = compile_for(device, step, dynamic=True, freezing=True)
         self.num_steps = 0  # decode steps run through the graph
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_pool: torch.Tensor,

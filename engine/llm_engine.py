@@ -10,6 +10,8 @@ import torch
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, LinearsMode
 from engine.cpu import cpu_features
+from engine import native_attention
+from engine.attention import decode_attention_with_own
 from engine.decode_graph import DecodeGraph
 from engine.heap import limit_onednn_caches
 from engine.loader import ModelSource, load_state_dict, resolve_model
@@ -50,7 +52,9 @@ class LLMEngine:
         num_blocks = self._num_kv_blocks(model)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        graph = DecodeGraph(model, config.torch_device) if config.decode_compiled else None
+        graph = None
+        if config.decode_compiled:
+            graph = DecodeGraph(model, config.torch_device, decode_attention(config, hf.n_embd // hf.n_head))
         self.runner = ModelRunner(model, num_blocks, config.block_size, config.seed, config.compile_attention, graph,
                                   compiled_sampler=graph is not None)
         if graph is not None:
@@ -195,6 +199,25 @@ class LLMEngine:
             return max(int(config.kv_cache_memory_gb * 2**30 // per_block), 1)
         enough = config.max_num_seqs * -(-self.max_model_len // config.block_size)
         return max(min(enough, int(_default_kv_budget(config.torch_device) // per_block)), 1)
+
+
+def decode_attention(config: EngineConfig, head_dim: int) -> native_attention.DecodeAttention:
+    """The decode graph's attention as the config asks: our C++ kernel where it is asked for
+    or (auto) where it runs and builds here, else the expression inductor compiles."""
+    fits = config.torch_device.type == "cpu" and native_attention.supports(head_dim)
+    if config.decode_attention == "torch" or not fits:
+        if config.decode_attention == "native":
+            raise ValueError(f"decode_attention: native runs on CPU with a head size that is a multiple of "
+                             f"{native_attention.HEAD_DIM_MULTIPLE}, not {config.torch_device}, {head_dim}")
+        logger.info("decode attention: the PyTorch expression, compiled by inductor")
+        return decode_attention_with_own
+    try:
+        return native_attention.load()
+    except Exception as exc:  # noqa: BLE001 - no compiler, no ninja, a failed build: the expression instead
+        if config.decode_attention == "native":
+            raise ValueError(f"decode_attention: native: the C++ kernel did not build here ({exc!r})") from exc
+        logger.warning("decode attention: our C++ kernel did not build (%r); inductor compiles the expression", exc)
+        return decode_attention_with_own
 
 
 def _default_kv_budget(device: torch.device) -> float:

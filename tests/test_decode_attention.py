@@ -1,6 +1,9 @@
-"""Decode attention compiled to read the paged pools in place (`compile_attention: true`)
-gives what the eager gather-then-matmul path gives, on ragged contexts and scattered blocks,
-and an engine using it generates what the reference engine does."""
+"""Decode attention that reads the paged pools in place gives what the eager
+gather-then-matmul path gives, on ragged contexts and scattered blocks: the expression
+inductor compiles (`compile_attention: true`, and the decode graph's `decode_attention:
+torch`), and our C++ kernel (the decode graph's `decode_attention: native`), built for the
+probed ISA (AVX2 in CI's emulated step). An engine using either generates what the
+reference engine does."""
 
 from __future__ import annotations
 
@@ -8,7 +11,9 @@ import pytest
 import torch
 
 from engine import LLM
-from engine.attention import AttentionGroup, _attend, compiled_decode_attention, decode_attention
+from engine import native_attention
+from engine.attention import AttentionGroup, _attend, compiled_decode_attention, decode_attention, decode_attention_with_own
+from engine.cpu import cpu_features
 from tests.engine_helpers import greedy_logprobs, mixed_prompts
 
 HEADS, BLOCKS, BLOCK_SIZE, HEAD_DIM = 4, 40, 16, 16
@@ -54,3 +59,57 @@ def test_engine_with_compiled_attention_agrees_with_reference(tiny_gpt2_dir):
         assert tokens == ref_tokens
         for i, token in enumerate(tokens):
             assert abs(logprobs[i][token] - ref_logprobs[i][token]) < 1e-3
+
+
+def own_token_batch(dtype: torch.dtype):
+    """ragged_decode_batch plus each query's own k, v, all three strided views of one qkv
+    tensor as the model makes them; context_lens count the cached tokens only."""
+    q, k_cache, v_cache, tables, mask = ragged_decode_batch(dtype)
+    generator = torch.Generator().manual_seed(1)
+    qkv = torch.randn(5, 3, HEADS, HEAD_DIM, generator=generator).to(dtype)
+    qkv[:, 0] = q
+    context_lens = mask.sum(-1) - 1  # the last cached token of ragged_decode_batch becomes the own one
+    return qkv, k_cache, v_cache, tables, context_lens
+
+
+def reference_with_own(qkv, k_cache, v_cache, tables, context_lens) -> torch.Tensor:
+    """The gathering path after writing each query's own k, v to its next slot."""
+    k_cache, v_cache = k_cache.clone(), v_cache.clone()
+    rows = torch.arange(len(tables))
+    blocks = tables[rows, context_lens // BLOCK_SIZE]
+    k_cache[:, blocks, context_lens % BLOCK_SIZE] = qkv[:, 1].transpose(0, 1)
+    v_cache[:, blocks, context_lens % BLOCK_SIZE] = qkv[:, 2].transpose(0, 1)
+    mask = torch.arange(tables.shape[1] * BLOCK_SIZE)[None, :] <= context_lens[:, None]
+    return eager_reference(qkv[:, 0], k_cache, v_cache, tables, mask)
+
+
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_native_kernel_matches_the_gathering_path(dtype, atol):
+    kernel = native_attention.load()
+    inputs = own_token_batch(dtype)
+    qkv, rest = inputs[0], inputs[1:]
+    ours = kernel(qkv[:, 0], qkv[:, 1], qkv[:, 2], *rest)
+    assert ours.dtype == dtype and ours.shape == (5, HEADS, HEAD_DIM)
+    torch.testing.assert_close(ours, reference_with_own(*inputs), atol=atol, rtol=atol)
+    # and the expression it replaces agrees on the same inputs
+    torch.testing.assert_close(decode_attention_with_own(qkv[:, 0], qkv[:, 1], qkv[:, 2], *rest),
+                               reference_with_own(*inputs), atol=atol, rtol=atol)
+
+
+def test_native_kernel_is_built_for_the_probed_isa():
+    """CI's emulated step (RAYINFER_CPU_ISA=avx2 on an AVX-512 machine) builds and runs the
+    AVX2 kernel: the build follows the probe, not the compiler's view of the CPU."""
+    expected = "avx512" if cpu_features().avx512 else "avx2" if cpu_features().avx2 else "baseline"
+    assert native_attention.isa_build() == expected
+    native_attention.load()
+    assert any(f"rayinfer_decode_attention_{expected}" in str(path) for path in torch.ops.loaded_libraries)
+
+
+def test_native_kernel_rejects_what_it_cannot_run():
+    kernel = native_attention.load()
+    qkv, k_cache, v_cache, tables, lens = own_token_batch(torch.float32)
+    with pytest.raises(RuntimeError, match="head_dim"):
+        kernel(qkv[:, 0, :, :12], qkv[:, 1, :, :12], qkv[:, 2, :, :12], k_cache[..., :12], v_cache[..., :12], tables, lens)
+    with pytest.raises(RuntimeError, match="dtype"):
+        kernel(qkv[:, 0], qkv[:, 1], qkv[:, 2], k_cache.bfloat16(), v_cache, tables, lens)
+    assert native_attention.supports(64) and not native_attention.supports(12)

@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, EngineConfig, SamplingParams
+from engine import LLM, EngineConfig, SamplingParams, native_attention
+from engine.attention import decode_attention_with_own
 from engine.cpu import cpu_features
 from engine.decode_graph import DecodeGraph
 from tests.engine_helpers import mixed_prompts
@@ -38,11 +39,14 @@ def assert_untouched(engine) -> None:
     assert engine.runner.decode_graph.num_steps == 0
 
 
-def compare(model_dir, dtype: str, reference_linears: str, atol: float, fast_linears: str = "auto") -> None:
+def compare(model_dir, dtype: str, reference_linears: str, atol: float, fast_linears: str = "auto",
+            attention: str = "auto") -> None:
     before = num_compiled_graphs()
     fast = LLM(str(model_dir), weights="pretrained", dtype=dtype, device="cpu", compile_decode=True,
-               linears=fast_linears)
+               linears=fast_linears, decode_attention=attention)
     compiled_at_start = num_compiled_graphs()
+    expected = decode_attention_with_own if attention == "torch" else torch.ops.rayinfer.decode_attention
+    assert fast.engine.runner.decode_graph.attention is expected
     # The graph, and the sampler's draw unless an earlier test in this process compiled it
     # (dynamo caches it per function), compiled during construction ...
     assert compiled_at_start - before in (1, 2)
@@ -63,6 +67,11 @@ def compare(model_dir, dtype: str, reference_linears: str, atol: float, fast_lin
 
 def test_compiled_decode_matches_the_reference_path_in_fp32(tiny_gpt2_dir):
     compare(tiny_gpt2_dir, "float32", "reference", atol=1e-3)
+
+
+def test_compiled_decode_with_the_compiled_expression_for_attention_matches_the_reference_path(tiny_gpt2_dir):
+    # decode_attention: torch, what auto falls back to where our kernel cannot build
+    compare(tiny_gpt2_dir, "float32", "reference", atol=1e-3, attention="torch")
 
 
 def test_compiled_decode_on_reference_linears_matches_the_reference_path_in_fp32(tiny_gpt2_dir):
@@ -93,6 +102,19 @@ def test_a_graph_that_cannot_compile_leaves_decode_steps_eager(tiny_gpt2_dir, mo
         [o.token_ids for o in reference.generate(prompts, GREEDY_TOP5)]
 
 
+def test_an_attention_kernel_that_cannot_build_falls_back_to_the_expression(tiny_gpt2_dir, monkeypatch, caplog):
+    def no_ninja():
+        raise RuntimeError("Ninja is required to load C++ extensions")  # the fault: what torch raises
+
+    monkeypatch.setattr(native_attention, "load", no_ninja)
+    fast = LLM(str(tiny_gpt2_dir), weights="pretrained", dtype="float32", device="cpu", compile_decode=True)
+    assert fast.engine.runner.decode_graph.attention is decode_attention_with_own
+    assert "our C++ kernel did not build" in caplog.text
+    with pytest.raises(ValueError, match=r"decode_attention: native: the C\+\+ kernel did not build here"):
+        LLM(str(tiny_gpt2_dir), weights="pretrained", dtype="float32", device="cpu", compile_decode=True,
+            decode_attention="native")
+
+
 def test_compile_decode_auto_compiles_bf16_on_cpu_only():
     assert EngineConfig(dtype="bfloat16", device="cpu", compile_decode="auto").decode_compiled
     assert not EngineConfig(dtype="float32", device="cpu", compile_decode="auto").decode_compiled
@@ -100,3 +122,5 @@ def test_compile_decode_auto_compiles_bf16_on_cpu_only():
     assert not EngineConfig(dtype="bfloat16", device="cpu").decode_compiled
     with pytest.raises(ValueError, match="compile_decode must be true, false or auto"):
         EngineConfig(compile_decode="yes")
+    with pytest.raises(ValueError, match="decode_attention must be auto, native or torch"):
+        EngineConfig(decode_attention="cpp")

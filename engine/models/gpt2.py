@@ -12,6 +12,7 @@ from torch import nn
 from transformers import GPT2Config
 
 from engine.attention import AttentionMetadata, decode_attention_with_own, paged_attention
+from engine.native_attention import DecodeAttention
 from engine.packed_linear import PackedLinear, pack_linears
 
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -37,11 +38,11 @@ class GPT2Block(nn.Module):
         return self._mlp(h + self.attn_out(attn.flatten(1)))
 
     def decode(self, h: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], block_tables: torch.Tensor,
-               mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               context_lens: torch.Tensor, attention: DecodeAttention) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One token per sequence, the pools read and left unwritten: (h, this step's k, v)."""
         qkv = self.attn_qkv(self.ln_1(h)).view(h.shape[0], 3, self.num_heads, self.head_dim)
         q, k, v = qkv.unbind(1)
-        attn = decode_attention_with_own(q, k, v, kv_cache[0], kv_cache[1], block_tables, mask)
+        attn = attention(q, k, v, kv_cache[0], kv_cache[1], block_tables, context_lens)
         return self._mlp(h + self.attn_out(attn.flatten(1))), k, v
 
     def _mlp(self, h: torch.Tensor) -> torch.Tensor:
@@ -79,16 +80,16 @@ class GPT2LMHead(nn.Module):
         return logits.float()
 
     def decode(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-               block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               block_tables: torch.Tensor, attention: DecodeAttention = decode_attention_with_own,
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """A decode-only step as one pure function (what engine/decode_graph.py compiles): one
         token per sequence at `positions` (its number of cached tokens) in; float32 logits
-        [B, vocab] and every layer's k, v [n_layer, B, H, D], still to be written, out."""
-        keys = torch.arange(block_tables.shape[1] * kv_caches[0][0].shape[2], device=input_ids.device)
-        mask = keys.unsqueeze(0) < positions.unsqueeze(1)  # [B, L]: the cached tokens
+        [B, vocab] and every layer's k, v [n_layer, B, H, D], still to be written, out.
+        `attention` is decode_attention_with_own or its C++ kernel (engine/native_attention.py)."""
         h = self.wte(input_ids) + self.wpe(positions)
         new_keys, new_values = [], []
         for block, kv_cache in zip(self.h, kv_caches):
-            h, k, v = block.decode(h, kv_cache, block_tables, mask)
+            h, k, v = block.decode(h, kv_cache, block_tables, positions, attention)
             new_keys.append(k)
             new_values.append(v)
         return self._logits(self.ln_f(h)), torch.stack(new_keys), torch.stack(new_values)

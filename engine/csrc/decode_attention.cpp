@@ -1,0 +1,158 @@
+// Decode attention over the paged KV pools, one query per sequence: the kernel
+// engine/native_attention.py builds for this CPU's vector ISA and the decode graph calls.
+//
+// Each (sequence, head) reads its cached keys and values in place, block by block through
+// its block table (no gathered copy), in float32 with the ISA's widest vectors, plus its
+// own k, v, which the caller writes to the pools after the step. Work is split over
+// (sequence, head) pairs across torch's intra-op threads.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <vector>
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kMaxHeadDim = 512;
+constexpr int64_t kMaxChunks = kMaxHeadDim / Vec::size();
+
+inline Vec load(const float* p) { return Vec::loadu(p); }
+
+inline Vec load(const at::BFloat16* p) {
+  Vec out;
+  at::vec::load_fp32_from_bf16(p, out);
+  return out;
+}
+
+template <typename T>
+inline float dot(const Vec* query, const T* key, int64_t chunks) {
+  Vec acc = query[0] * load(key);
+  for (int64_t c = 1; c < chunks; ++c) acc = at::vec::fmadd(query[c], load(key + c * Vec::size()), acc);
+  return at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, acc);
+}
+
+template <typename T>
+inline void add_scaled(float weight, const T* value, Vec* acc, int64_t chunks) {
+  const Vec w(weight);
+  for (int64_t c = 0; c < chunks; ++c) acc[c] = at::vec::fmadd(w, load(value + c * Vec::size()), acc[c]);
+}
+
+template <typename T>
+inline void prefetch_row(const T* row, int64_t head_dim) {
+  const char* bytes = reinterpret_cast<const char*>(row);
+  for (int64_t i = 0; i < head_dim * static_cast<int64_t>(sizeof(T)); i += 64) __builtin_prefetch(bytes + i);
+}
+
+inline int64_t round_up(int64_t n, int64_t multiple) { return (n + multiple - 1) / multiple * multiple; }
+
+// scores[t] = exp(scores[t] - max_score) for t < n, vectorised; returns their sum. The
+// buffer holds whole vectors past n: its padding is set to -inf, whose exp is 0.
+inline float exp_normalised(float* scores, int64_t n, float max_score) {
+  const int64_t padded = round_up(n, Vec::size());
+  std::fill(scores + n, scores + padded, -INFINITY);
+  const Vec shift(max_score);
+  Vec sum(0.f);
+  for (int64_t t = 0; t < padded; t += Vec::size()) {
+    const Vec e = (Vec::loadu(scores + t) - shift).exp_u20();
+    e.store(scores + t);
+    sum = sum + e;
+  }
+  return at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, sum);
+}
+
+// A strided [*, *, D] or [*, *, *, D] tensor's base pointer and leading strides.
+template <typename T>
+struct View {
+  const T* data;
+  int64_t s0, s1, s2;
+  explicit View(const at::Tensor& t)
+      : data(t.data_ptr<T>()), s0(t.stride(0)), s1(t.stride(1)), s2(t.dim() > 3 ? t.stride(2) : 0) {}
+};
+
+template <typename T>
+void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
+            const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& context_lens, at::Tensor& out) {
+  const int64_t batch = q.size(0), heads = q.size(1), head_dim = q.size(2);
+  const int64_t block_size = k_cache.size(2), width = block_tables.size(1);
+  const int64_t chunks = head_dim / Vec::size();
+  const float scale = 1.f / std::sqrt(static_cast<float>(head_dim));
+  const View<T> queries(q), keys(k), values(v), key_pool(k_cache), value_pool(v_cache);
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  T* output = out.data_ptr<T>();
+  at::parallel_for(0, batch * heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(round_up(width * block_size + 1, Vec::size()));
+    Vec query[kMaxChunks], acc[kMaxChunks];
+    float row[kMaxHeadDim];
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / heads, h = task % heads, cached = lens[b];
+      const int64_t* table = tables + b * width;
+      const T* q_row = queries.data + b * queries.s0 + h * queries.s1;
+      for (int64_t c = 0; c < chunks; ++c) query[c] = load(q_row + c * Vec::size()) * Vec(scale);
+      float max_score = -INFINITY;
+      const T* head_keys = key_pool.data + h * key_pool.s0;
+      const T* head_values = value_pool.data + h * value_pool.s0;
+      for (int64_t t = 0; t < cached; ++t) {
+        const int64_t block = table[t / block_size], slot = t % block_size;
+        // the value row is read after every key: fetched now, it arrives while keys are scored
+        prefetch_row(head_values + block * value_pool.s1 + slot * value_pool.s2, head_dim);
+        scores[t] = dot(query, head_keys + block * key_pool.s1 + slot * key_pool.s2, chunks);
+        max_score = std::max(max_score, scores[t]);
+      }
+      scores[cached] = dot(query, keys.data + b * keys.s0 + h * keys.s1, chunks);  // its own key
+      max_score = std::max(max_score, scores[cached]);
+      const float total = exp_normalised(scores.data(), cached + 1, max_score);
+      for (int64_t c = 0; c < chunks; ++c) acc[c] = Vec(0.f);
+      for (int64_t t = 0; t < cached; ++t) {
+        const T* value = head_values + table[t / block_size] * value_pool.s1 + (t % block_size) * value_pool.s2;
+        add_scaled(scores[t], value, acc, chunks);
+      }
+      add_scaled(scores[cached], values.data + b * values.s0 + h * values.s1, acc, chunks);
+      const Vec inverse(1.f / total);
+      for (int64_t c = 0; c < chunks; ++c) (acc[c] * inverse).store(row + c * Vec::size());
+      T* out_row = output + task * head_dim;
+      for (int64_t i = 0; i < head_dim; ++i) out_row[i] = static_cast<T>(row[i]);
+    }
+  });
+}
+
+// q, k, v [B, H, D]: this step's query, key and value per sequence (k, v not in the pools yet);
+// k_cache, v_cache [H, num_blocks, block_size, D]; block_tables [B, W]; context_lens [B], the
+// cached tokens each query attends to besides its own. Returns [B, H, D], contiguous.
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
+                            const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& context_lens) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4,
+              "decode_attention: q, k, v [B, H, D] and pools [H, blocks, block_size, D]");
+  const int64_t head_dim = q.size(2);
+  TORCH_CHECK(head_dim % Vec::size() == 0 && head_dim <= kMaxHeadDim, "decode_attention: head_dim ", head_dim,
+              " is not a multiple of ", Vec::size(), " up to ", kMaxHeadDim);
+  for (const at::Tensor* t : {&q, &k, &v, &k_cache, &v_cache}) {
+    TORCH_CHECK(t->stride(-1) == 1 && t->size(-1) == head_dim && t->scalar_type() == q.scalar_type(),
+                "decode_attention: every tensor's last dimension is head_dim, contiguous, in q's dtype");
+  }
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
+              "decode_attention: int64 block tables and lengths");
+  const at::Tensor tables = block_tables.contiguous(), lens = context_lens.contiguous();
+  at::Tensor out = at::empty({q.size(0), q.size(1), head_dim}, q.options());
+  if (q.scalar_type() == at::kBFloat16) {
+    attend<at::BFloat16>(q, k, v, k_cache, v_cache, tables, lens, out);
+  } else {
+    TORCH_CHECK(q.scalar_type() == at::kFloat, "decode_attention: bfloat16 or float32, got ", q.scalar_type());
+    attend<float>(q, k, v, k_cache, v_cache, tables, lens, out);
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(rayinfer, m) {
+  m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor context_lens) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(rayinfer, CPU, m) { m.impl("decode_attention", &decode_attention); }
