@@ -4,6 +4,8 @@ of the whole batch, and one sequence's time per token, against their matmuls alo
 
     python -m loadtest.ceiling --dtype float32 --num-requests 32 --prompt-len 16 --max-tokens 64
     python -m loadtest.ceiling --dtype bfloat16 --linears auto --compile-attention --compile-decode
+    python -m loadtest.ceiling --dtype bfloat16 --linears auto --compile-decode --compiled-only \
+        --decode-attention native torch
 
 "Matmuls alone" runs the engine's own linear modules (prepacked or F.linear, as the engine
 built them) on inputs of the step's row counts: one prefill of every prompt, then
@@ -76,12 +78,13 @@ def hf_static(config: EngineConfig, prompts: list[list[int]], max_tokens: int) -
 
 def variants(args: argparse.Namespace) -> list[tuple[str, dict]]:
     """(label, EngineConfig fields) of each engine run, in order."""
-    runs = [(f"linears={linears}", {"linears": linears}) for linears in args.linears]
+    runs = [] if args.compiled_only else [(f"linears={linears}", {"linears": linears}) for linears in args.linears]
     if args.compile_attention:
         runs.append(("linears=auto, compiled attention", {"linears": "auto", "compile_attention": True}))
     if args.compile_decode:  # one per --linears: the graph runs the engine's own linears
-        runs += [(f"compiled decode graph, linears={linears}", {"linears": linears, "compile_decode": True})
-                 for linears in args.linears]
+        runs += [(f"compiled decode graph, linears={linears}" + ("" if attention == "auto" else f", {attention} attention"),
+                  {"linears": linears, "compile_decode": True, "decode_attention": attention})
+                 for linears in args.linears for attention in args.decode_attention]
     return runs
 
 
@@ -103,6 +106,9 @@ def main() -> None:
     parser.add_argument("--linears", nargs="*", default=["auto", "reference"], help="engine variants to run")
     parser.add_argument("--compile-attention", action="store_true", help="also run linears=auto with compiled decode attention")
     parser.add_argument("--compile-decode", action="store_true", help="also run the compiled decode graph (compile_decode)")
+    parser.add_argument("--compiled-only", action="store_true", help="with --compile-decode: leave out the eager engine rows")
+    parser.add_argument("--decode-attention", nargs="+", default=["auto"],
+                        help="the compiled graph's attention, one engine row each: auto, native, torch")
     args = parser.parse_args()
     rows, steps = [], []
     for label, fields in variants(args):
