@@ -10,7 +10,7 @@ import torch
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, LinearsMode
 from engine.cpu import cpu_features
-from engine import native_attention
+import engine.native_attention as native_attention
 from engine.attention import decode_attention_with_own
 from engine.decode_graph import DecodeGraph
 from engine.heap import limit_onednn_caches
