@@ -42,9 +42,9 @@ class EngineConfig:
     # weights frozen in (engine/decode_graph.py), on the same linears as the eager prefill
     # and mixed steps. The graph compiles while the engine is built (tens of seconds, every
     # process: freezing keeps it out of inductor's on-disk cache); where it cannot compile,
-    # decode steps stay eager, with a warning. auto: on for bf16 on CPU, where it pays most
-    # (BENCHMARKS.md, "The whole decode forward compiled"); fp32 gains less at 32 sequences
-    # and lost at one on emulated AVX2. The sampler's draw (argmax, or softmax and an
+    # decode steps stay eager, with a warning. auto: on on CPU, in bf16 and fp32 (BENCHMARKS.md,
+    # "The whole decode forward compiled"; fp32 won only once the graph's attention was our
+    # kernel, "A decode attention of our own"). The sampler's draw (argmax, or softmax and an
     # inverse-CDF draw) compiles with it, so a sampled step leaves eager ATen too. Off by
     # default so that tests and scripts start at once; configs/gpt2.yaml sets auto.
     compile_decode: bool | Literal["auto"] = False
@@ -114,7 +114,7 @@ class EngineConfig:
     def decode_compiled(self) -> bool:
         """Whether decode-only steps run through the compiled graph (compile_decode resolved)."""
         if self.compile_decode == "auto":
-            return self.torch_device.type == "cpu" and self.torch_dtype == torch.bfloat16
+            return self.torch_device.type == "cpu"
         return bool(self.compile_decode)
 
     @cached_property

@@ -115,9 +115,9 @@ def test_an_attention_kernel_that_cannot_build_falls_back_to_the_expression(tiny
             decode_attention="native")
 
 
-def test_compile_decode_auto_compiles_bf16_on_cpu_only():
+def test_compile_decode_auto_compiles_on_cpu_in_both_dtypes():
     assert EngineConfig(dtype="bfloat16", device="cpu", compile_decode="auto").decode_compiled
-    assert not EngineConfig(dtype="float32", device="cpu", compile_decode="auto").decode_compiled
+    assert EngineConfig(dtype="float32", device="cpu", compile_decode="auto").decode_compiled
     assert EngineConfig(dtype="float32", device="cpu", compile_decode=True).decode_compiled
     assert not EngineConfig(dtype="bfloat16", device="cpu").decode_compiled
     with pytest.raises(ValueError, match="compile_decode must be true, false or auto"):
