@@ -1,10 +1,10 @@
 """Decode-only steps through one inductor graph of the whole forward (`compile_decode: true`),
 as vLLM's CPU worker runs its model: weights frozen into the graph, LayerNorm, GELU and
 residual adds fused around the linears, and the paged pools read in place by the attention
-(our C++ kernel, engine/native_attention.py, or the expression inductor compiles,
-engine/attention.py decode_attention_with_own: `decode_attention` in the config). The linears are the model's own: its
-oneDNN-prepacked ones (`linears: auto`), which eager prefill steps share, or nn.Linear
-(`linears: reference`), which inductor packs itself.
+(`decode_attention` in the config: our C++ kernel, engine/native_attention.py, or the
+expression inductor compiles, engine/attention.py decode_attention_with_own). The linears
+are the model's own: its oneDNN-prepacked ones (`linears: auto`), which eager prefill steps
+share, or nn.Linear (`linears: reference`), which inductor packs itself.
 
 The graph is pure: it takes the runner's one KV pool, returns every layer's new k, v already
 in the pool's head-major order, and one index_copy_ writes them all after it (a write per

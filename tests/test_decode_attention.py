@@ -112,4 +112,8 @@ def test_native_kernel_rejects_what_it_cannot_run():
         kernel(qkv[:, 0, :, :12], qkv[:, 1, :, :12], qkv[:, 2, :, :12], k_cache[..., :12], v_cache[..., :12], tables, lens)
     with pytest.raises(RuntimeError, match="dtype"):
         kernel(qkv[:, 0], qkv[:, 1], qkv[:, 2], k_cache.bfloat16(), v_cache, tables, lens)
+    with pytest.raises(RuntimeError, match="block id 40 outside the pools"):
+        kernel(qkv[:, 0], qkv[:, 1], qkv[:, 2], k_cache, v_cache, torch.full_like(tables, BLOCKS), lens)
+    with pytest.raises(RuntimeError, match="length 65 beyond its block table"):
+        kernel(qkv[:, 0], qkv[:, 1], qkv[:, 2], k_cache, v_cache, tables, torch.full_like(lens, 4 * BLOCK_SIZE + 1))
     assert native_attention.supports(64) and not native_attention.supports(12)

@@ -74,51 +74,88 @@ struct View {
       : data(t.data_ptr<T>()), s0(t.stride(0)), s1(t.stride(1)), s2(t.dim() > 3 ? t.stride(2) : 0) {}
 };
 
+// Pointers to one (sequence, head)'s rows: its query, own key and value, and its cached
+// keys and values through the sequence's block table.
+template <typename T>
+struct Task {
+  const T* query;
+  const T* own_key;
+  const T* own_value;
+  const T* head_keys;    // the head's plane of the key pool
+  const T* head_values;  // and of the value pool
+  const int64_t* table;
+  int64_t cached, block_size, key_block, key_slot, value_block, value_slot;
+
+  const T* key(int64_t t) const { return head_keys + table[t / block_size] * key_block + (t % block_size) * key_slot; }
+  const T* value(int64_t t) const {
+    return head_values + table[t / block_size] * value_block + (t % block_size) * value_slot;
+  }
+};
+
+// The scaled scores of the cached keys and the own key into scores[0..cached], their maximum returned.
+template <typename T>
+float score(const Task<T>& task, const Vec* query, int64_t chunks, int64_t head_dim, float* scores) {
+  float max_score = -INFINITY;
+  for (int64_t t = 0; t < task.cached; ++t) {
+    prefetch_row(task.value(t), head_dim);  // read after every key: fetched now, it arrives meanwhile
+    scores[t] = dot(query, task.key(t), chunks);
+    max_score = std::max(max_score, scores[t]);
+  }
+  scores[task.cached] = dot(query, task.own_key, chunks);
+  return std::max(max_score, scores[task.cached]);
+}
+
+// out_row = the values weighted by probabilities scores[0..cached] / total.
+template <typename T>
+void weigh_values(const Task<T>& task, const float* scores, float total, int64_t chunks, Vec* acc, float* row,
+                  T* out_row, int64_t head_dim) {
+  for (int64_t c = 0; c < chunks; ++c) acc[c] = Vec(0.f);
+  for (int64_t t = 0; t < task.cached; ++t) add_scaled(scores[t], task.value(t), acc, chunks);
+  add_scaled(scores[task.cached], task.own_value, acc, chunks);
+  const Vec inverse(1.f / total);
+  for (int64_t c = 0; c < chunks; ++c) (acc[c] * inverse).store(row + c * Vec::size());
+  for (int64_t i = 0; i < head_dim; ++i) out_row[i] = static_cast<T>(row[i]);
+}
+
 template <typename T>
 void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
             const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& context_lens, at::Tensor& out) {
-  const int64_t batch = q.size(0), heads = q.size(1), head_dim = q.size(2);
+  const int64_t heads = q.size(1), head_dim = q.size(2), chunks = head_dim / Vec::size();
   const int64_t block_size = k_cache.size(2), width = block_tables.size(1);
-  const int64_t chunks = head_dim / Vec::size();
-  const float scale = 1.f / std::sqrt(static_cast<float>(head_dim));
+  const Vec scale(1.f / std::sqrt(static_cast<float>(head_dim)));
   const View<T> queries(q), keys(k), values(v), key_pool(k_cache), value_pool(v_cache);
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   T* output = out.data_ptr<T>();
-  at::parallel_for(0, batch * heads, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, q.size(0) * heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(round_up(width * block_size + 1, Vec::size()));
     Vec query[kMaxChunks], acc[kMaxChunks];
     float row[kMaxHeadDim];
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / heads, h = task % heads, cached = lens[b];
-      const int64_t* table = tables + b * width;
-      const T* q_row = queries.data + b * queries.s0 + h * queries.s1;
-      for (int64_t c = 0; c < chunks; ++c) query[c] = load(q_row + c * Vec::size()) * Vec(scale);
-      float max_score = -INFINITY;
-      const T* head_keys = key_pool.data + h * key_pool.s0;
-      const T* head_values = value_pool.data + h * value_pool.s0;
-      for (int64_t t = 0; t < cached; ++t) {
-        const int64_t block = table[t / block_size], slot = t % block_size;
-        // the value row is read after every key: fetched now, it arrives while keys are scored
-        prefetch_row(head_values + block * value_pool.s1 + slot * value_pool.s2, head_dim);
-        scores[t] = dot(query, head_keys + block * key_pool.s1 + slot * key_pool.s2, chunks);
-        max_score = std::max(max_score, scores[t]);
-      }
-      scores[cached] = dot(query, keys.data + b * keys.s0 + h * keys.s1, chunks);  // its own key
-      max_score = std::max(max_score, scores[cached]);
-      const float total = exp_normalised(scores.data(), cached + 1, max_score);
-      for (int64_t c = 0; c < chunks; ++c) acc[c] = Vec(0.f);
-      for (int64_t t = 0; t < cached; ++t) {
-        const T* value = head_values + table[t / block_size] * value_pool.s1 + (t % block_size) * value_pool.s2;
-        add_scaled(scores[t], value, acc, chunks);
-      }
-      add_scaled(scores[cached], values.data + b * values.s0 + h * values.s1, acc, chunks);
-      const Vec inverse(1.f / total);
-      for (int64_t c = 0; c < chunks; ++c) (acc[c] * inverse).store(row + c * Vec::size());
-      T* out_row = output + task * head_dim;
-      for (int64_t i = 0; i < head_dim; ++i) out_row[i] = static_cast<T>(row[i]);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = i / heads, h = i % heads;
+      const Task<T> task{queries.data + b * queries.s0 + h * queries.s1, keys.data + b * keys.s0 + h * keys.s1,
+                         values.data + b * values.s0 + h * values.s1, key_pool.data + h * key_pool.s0,
+                         value_pool.data + h * value_pool.s0, tables + b * width, lens[b], block_size,
+                         key_pool.s1, key_pool.s2, value_pool.s1, value_pool.s2};
+      for (int64_t c = 0; c < chunks; ++c) query[c] = load(task.query + c * Vec::size()) * scale;
+      const float max_score = score(task, query, chunks, head_dim, scores.data());
+      const float total = exp_normalised(scores.data(), task.cached + 1, max_score);
+      weigh_values(task, scores.data(), total, chunks, acc, row, output + i * head_dim, head_dim);
     }
   });
+}
+
+// Every read stays in the pools: block ids within them, lengths within each row's table.
+void check_in_pools(const at::Tensor& tables, const at::Tensor& lens, int64_t num_blocks, int64_t block_size) {
+  const int64_t* ids = tables.data_ptr<int64_t>();
+  for (int64_t i = 0; i < tables.numel(); ++i) {
+    TORCH_CHECK(ids[i] >= 0 && ids[i] < num_blocks, "decode_attention: block id ", ids[i], " outside the pools");
+  }
+  const int64_t* cached = lens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < lens.numel(); ++b) {
+    TORCH_CHECK(cached[b] >= 0 && cached[b] <= tables.size(1) * block_size, "decode_attention: length ", cached[b],
+                " beyond its block table");
+  }
 }
 
 // q, k, v [B, H, D]: this step's query, key and value per sequence (k, v not in the pools yet);
@@ -138,6 +175,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
               "decode_attention: int64 block tables and lengths");
   const at::Tensor tables = block_tables.contiguous(), lens = context_lens.contiguous();
+  TORCH_CHECK(lens.numel() == q.size(0) && tables.size(0) == q.size(0), "decode_attention: one table and length per row");
+  check_in_pools(tables, lens, k_cache.size(1), k_cache.size(2));
   at::Tensor out = at::empty({q.size(0), q.size(1), head_dim}, q.options());
   if (q.scalar_type() == at::kBFloat16) {
     attend<at::BFloat16>(q, k, v, k_cache, v_cache, tables, lens, out);
