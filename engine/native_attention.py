@@ -47,9 +47,9 @@ def supports(head_dim: int) -> bool:
 
 
 def isa_build() -> str:
-    """Which of _ISA_FLAGS this CPU's kernel is built for."""
-    features = cpu_features()
-    return "avx512" if features.avx512 else "avx2" if features.avx2 else "baseline"
+    """Which of _ISA_FLAGS this CPU's kernel is built for: the probe's vector width, the one
+    inductor's kernels are tiled for too (engine/inductor.py)."""
+    return {512: "avx512", 256: "avx2"}.get(cpu_features().vector_bits, "baseline")
 
 
 @functools.cache
