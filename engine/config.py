@@ -52,6 +52,10 @@ class EngineConfig:
     # built once per machine for the probed ISA, ~10 s); torch: the same math as a PyTorch
     # expression inductor compiles; auto: native on CPU where it builds, else torch, logged.
     decode_attention: Literal["auto", "native", "torch"] = "auto"
+    # The sampler's draw (argmax and an inverse-CDF draw per row). native: our C++ kernel
+    # (engine/csrc/sampling.cpp, built with decode_attention's); torch: torch ops, compiled
+    # with compile_decode; auto: native on CPU where it builds, else torch, logged.
+    sampler: Literal["auto", "native", "torch"] = "auto"
     seed: int = 0
     block_size: int = 16
     # KV pool size: a block count wins over a memory budget; neither means "fit max_num_seqs
@@ -74,8 +78,9 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
         if self.compile_decode not in (True, False, "auto"):
             raise ValueError(f"compile_decode must be true, false or auto, got {self.compile_decode!r}")
-        if self.decode_attention not in ("auto", "native", "torch"):
-            raise ValueError(f"decode_attention must be auto, native or torch, got {self.decode_attention!r}")
+        for name in ("decode_attention", "sampler"):
+            if getattr(self, name) not in ("auto", "native", "torch"):
+                raise ValueError(f"{name} must be auto, native or torch, got {getattr(self, name)!r}")
         if self.linears not in ("auto", "reference"):
             raise ValueError(f"linears must be auto or reference, got {self.linears!r}")
         if not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):

@@ -10,10 +10,9 @@ import torch
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, LinearsMode
 from engine.cpu import cpu_features
-import engine.native_attention as native_attention
-from engine.attention import decode_attention_with_own
 from engine.decode_graph import DecodeGraph
 from engine.heap import limit_onednn_caches
+from engine.kernel_choice import decode_attention, sampler_draw
 from engine.loader import ModelSource, load_state_dict, resolve_model
 from engine.logprobs import TokenLogprob
 from engine.model_runner import ModelOutput, ModelRunner
@@ -55,8 +54,8 @@ class LLMEngine:
         graph = None
         if config.decode_compiled:
             graph = DecodeGraph(model, config.torch_device, decode_attention(config, hf.n_embd // hf.n_head))
-        self.runner = ModelRunner(model, num_blocks, config.block_size, config.seed, config.compile_attention, graph,
-                                  compiled_sampler=graph is not None)
+        sampler = Sampler(config.seed, config.torch_device, compiled=graph is not None, native=sampler_draw(config))
+        self.runner = ModelRunner(model, num_blocks, config.block_size, sampler, config.compile_attention, graph)
         if graph is not None:
             self.runner.decode_graph = self._warm_up(graph)
         self._seqs: dict[str, Sequence] = {}
@@ -186,7 +185,7 @@ class LLMEngine:
             self.runner.sampler.warm_up(self.model_info.vocab_size)
         except Exception as exc:  # noqa: BLE001 - any compile failure: serve on the eager path
             logger.warning("compile_decode: the decode graph did not compile (%r); decode steps run eagerly", exc)
-            self.runner.sampler = Sampler(self.config.seed, self.config.torch_device)
+            self.runner.sampler = Sampler(self.config.seed, self.config.torch_device, native=self.runner.sampler.native)
             return None
         return graph
 
@@ -199,25 +198,6 @@ class LLMEngine:
             return max(int(config.kv_cache_memory_gb * 2**30 // per_block), 1)
         enough = config.max_num_seqs * -(-self.max_model_len // config.block_size)
         return max(min(enough, int(_default_kv_budget(config.torch_device) // per_block)), 1)
-
-
-def decode_attention(config: EngineConfig, head_dim: int) -> native_attention.DecodeAttention:
-    """The decode graph's attention as the config asks: our C++ kernel where it is asked for
-    or (auto) where it runs and builds here, else the expression inductor compiles."""
-    fits = config.torch_device.type == "cpu" and native_attention.supports(head_dim)
-    if config.decode_attention == "torch" or not fits:
-        if config.decode_attention == "native":
-            raise ValueError(f"decode_attention: native runs on CPU with a head size that is a multiple of "
-                             f"{native_attention.HEAD_DIM_MULTIPLE}, not {config.torch_device}, {head_dim}")
-        logger.info("decode attention: the PyTorch expression, compiled by inductor")
-        return decode_attention_with_own
-    try:
-        return native_attention.load()
-    except Exception as exc:  # noqa: BLE001 - no compiler, no ninja, a failed build: the expression instead
-        if config.decode_attention == "native":
-            raise ValueError(f"decode_attention: native: the C++ kernel did not build here ({exc!r})") from exc
-        logger.warning("decode attention: our C++ kernel did not build (%r); inductor compiles the expression", exc)
-        return decode_attention_with_own
 
 
 def _default_kv_budget(device: torch.device) -> float:

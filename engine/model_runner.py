@@ -33,8 +33,8 @@ def _samples(seq: Sequence, num_new: int) -> bool:
 
 
 class ModelRunner:
-    def __init__(self, model: GPT2LMHead, num_blocks: int, block_size: int, seed: int, fused_decode: bool = False,
-                 decode_graph: DecodeGraph | None = None, compiled_sampler: bool = False):
+    def __init__(self, model: GPT2LMHead, num_blocks: int, block_size: int, sampler: Sampler,
+                 fused_decode: bool = False, decode_graph: DecodeGraph | None = None):
         self.model = model
         self.decode_graph = decode_graph
         self.block_size = block_size
@@ -47,7 +47,7 @@ class ModelRunner:
         shape = (config.n_layer, 2, config.n_head, num_blocks, block_size, config.n_embd // config.n_head)
         self.kv_pool = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.kv_caches = layer_caches(self.kv_pool)
-        self.sampler = Sampler(seed, self.device, compiled_sampler)
+        self.sampler = sampler
 
     @staticmethod
     def kv_bytes_per_block(model_config, block_size: int, dtype: torch.dtype) -> int:

@@ -7,13 +7,16 @@ then by top-k and top-p (only when some row asks for it, over its 1024 most like
 where they hold the mass asked for), and sampled by inverting their CDF: one uniform draw
 per row, found in the row's cumulative sum. That is one random number per row where an
 exponential race (or torch.multinomial) draws one per vocabulary entry, which once took
-half the engine's step time on CPU (BENCHMARKS.md, issue 3's section). Seeded rows draw
-their uniform from their own generator, so a seeded request gets the same tokens whatever
-else is in the batch.
+half the engine's step time on CPU (BENCHMARKS.md, issue 3's section). On CPU the draw is
+our C++ kernel (engine/csrc/sampling.cpp) where it builds: the same inverse CDF in two
+passes over a row, with no cumulative sum over the vocabulary. Seeded rows draw their
+uniform from their own generator, so a seeded request gets the same tokens whatever else is
+in the batch.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -58,12 +61,20 @@ def draw(logits: torch.Tensor, temperatures: torch.Tensor, uniforms: torch.Tenso
     return logits.argmax(dim=-1), _sample_inverse_cdf(probs, uniforms)
 
 
+Draw = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
 class Sampler:
-    def __init__(self, seed: int, device: torch.device, compiled: bool = False):
-        """compiled: `draw` through torch.compile (compile_decode); warm_up compiles it."""
+    def __init__(self, seed: int, device: torch.device, compiled: bool = False, native: Draw | None = None):
+        """compiled: `draw` through torch.compile (compile_decode); warm_up compiles it.
+        native: our C++ draw (torch.ops.rayinfer.draw), in place of either."""
         self.generator = torch.Generator(device=device).manual_seed(seed)
-        self.is_compiled = compiled
-        self._draw = compile_for(device, draw, dynamic=True) if compiled else draw
+        self.native = native
+        self.is_compiled = compiled and native is None
+        if native is not None:
+            self._draw = native
+        else:
+            self._draw = compile_for(device, draw, dynamic=True) if compiled else draw
 
     @torch.inference_mode()
     def warm_up(self, vocab_size: int) -> None:

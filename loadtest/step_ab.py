@@ -5,7 +5,7 @@ inside the step, where two `loadtest.ceiling` runs can't tell 5% from noise.
     python -m loadtest.step_ab --dtype bfloat16 --a '{"compile_decode": true, "decode_attention": "torch"}' \\
         --b '{"compile_decode": true, "decode_attention": "native"}'
 
-Each engine decodes the same prompts (num_requests rows, greedy); per step, A then B or B
+Each engine decodes the same prompts (num_requests rows, greedy unless --temperature); per step, A then B or B
 then A (alternating). Prints each side's median step, and B's over A's.
 """
 
@@ -22,8 +22,8 @@ from engine.sampling_params import SamplingParams
 from loadtest.engine_bench import make_prompts
 
 
-def start(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> None:
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+def start(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, temperature: float = 0.0) -> None:
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True)
     for i, prompt in enumerate(prompts):
         engine.add_request(f"ab-{time.monotonic_ns()}-{i}", prompt, params)
     engine.step()  # every prefill
@@ -45,6 +45,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--steps", type=int, default=63, help="decode steps per round (the context grows over them)")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; OpenAI's default is 1")
     args = parser.parse_args()
     engines = {side: LLMEngine(EngineConfig(model=args.model, weights="random", dtype=args.dtype, device="cpu",
                                             num_kv_blocks=1024, **fields))
@@ -53,7 +54,7 @@ def main() -> None:
     times: dict[str, list[float]] = {"A": [], "B": []}
     for round_ in range(args.rounds + 1):  # round 0 warms up
         for engine in engines.values():
-            start(engine, prompts, args.steps + 1)
+            start(engine, prompts, args.steps + 1, args.temperature)
         for step in range(args.steps):
             order = ("A", "B") if step % 2 == 0 else ("B", "A")
             for side in order:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine import LLM
-from engine import native_attention
+from engine import native, native_attention
 from engine.attention import AttentionGroup, _attend, compiled_decode_attention, decode_attention, decode_attention_with_own
 from engine.cpu import cpu_features
 from tests.engine_helpers import greedy_logprobs, mixed_prompts
@@ -100,9 +100,9 @@ def test_native_kernel_is_built_for_the_probed_isa():
     """CI's emulated step (RAYINFER_CPU_ISA=avx2 on an AVX-512 machine) builds and runs the
     AVX2 kernel: the build follows the probe, not the compiler's view of the CPU."""
     expected = "avx512" if cpu_features().avx512 else "avx2" if cpu_features().avx2 else "baseline"
-    assert native_attention.isa_build() == expected
+    assert native.isa_build() == expected
     native_attention.load()
-    assert any(f"rayinfer_decode_attention_{expected}" in str(path) for path in torch.ops.loaded_libraries)
+    assert any(f"rayinfer_kernels_{expected}" in str(path) for path in torch.ops.loaded_libraries)
 
 
 def test_native_kernel_rejects_what_it_cannot_run():

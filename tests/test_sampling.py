@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from engine import LLM, SamplingParams, native
 from engine.sampler import _filter_top_k_top_p, Sampler, SamplingBatch
 from tests.engine_helpers import mixed_prompts
 
@@ -124,44 +124,51 @@ def test_empty_or_out_of_vocabulary_prompts_are_rejected(llm, prompt):
         llm.generate([prompt], SamplingParams())
 
 
-def _sample_many(logits: list[float], num: int, compiled: bool = False, **params) -> torch.Tensor:
-    sampler = Sampler(seed=0, device=torch.device("cpu"), compiled=compiled)
+# The draw's three implementations: torch ops eager; compiled, as compile_decode runs them;
+# native, our C++ kernel, what the engine runs on CPU by default.
+DRAWS = ["eager", "compiled", "native"]
+
+
+def make_sampler(draw: str) -> Sampler:
+    return Sampler(seed=0, device=torch.device("cpu"), compiled=draw == "compiled",
+                   native=native.load().draw if draw == "native" else None)
+
+
+def _sample_many(logits: list[float], num: int, draw: str = "eager", **params) -> torch.Tensor:
     batch = SamplingBatch.from_params([SamplingParams(**params)] * num, [None] * num, len(logits), torch.device("cpu"))
-    return sampler(torch.tensor([logits] * num), batch)
+    return make_sampler(draw)(torch.tensor([logits] * num), batch)
 
 
-# compiled: the draw through torch.compile, as compile_decode runs it
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_sampled_tokens_follow_the_softmax_distribution(compiled: bool):
+@pytest.mark.parametrize("draw", DRAWS)
+def test_sampled_tokens_follow_the_softmax_distribution(draw: str):
     logits = [2.0, 1.0, 0.0, -1.0, 0.5]
-    tokens = _sample_many(logits, 40_000, compiled, temperature=0.7)
+    tokens = _sample_many(logits, 40_000, draw, temperature=0.7)
     expected = torch.softmax(torch.tensor(logits) / 0.7, dim=-1)
     observed = torch.bincount(tokens, minlength=len(logits)).float() / len(tokens)
     # 4 standard deviations of a frequency over 40k draws: < 0.01 for every token.
     assert torch.allclose(observed, expected, atol=0.01), (observed, expected)
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_top_k_and_top_p_never_sample_outside_their_set(compiled: bool):
+@pytest.mark.parametrize("draw", DRAWS)
+def test_top_k_and_top_p_never_sample_outside_their_set(draw: str):
     logits = [3.0, 2.9, 2.8, -5.0, 0.0, 1.0]
-    top_k = torch.bincount(_sample_many(logits, 5000, compiled, temperature=1.0, top_k=2), minlength=6)
+    top_k = torch.bincount(_sample_many(logits, 5000, draw, temperature=1.0, top_k=2), minlength=6)
     assert top_k[:2].min() > 0 and top_k[2:].sum() == 0
     # softmax mass: tokens 0, 1 ~0.65, tokens 0, 1, 2 ~0.94: top_p 0.8 keeps exactly those three.
-    top_p = torch.bincount(_sample_many(logits, 5000, compiled, temperature=1.0, top_p=0.8), minlength=6)
+    top_p = torch.bincount(_sample_many(logits, 5000, draw, temperature=1.0, top_p=0.8), minlength=6)
     assert top_p[:3].min() > 0 and top_p[3:].sum() == 0
 
 
-def test_the_compiled_draw_picks_the_eager_draws_tokens_and_greedy_rows_their_argmax():
+def test_every_draw_picks_the_eager_draws_tokens_and_greedy_rows_their_argmax():
     torch.manual_seed(0)
     logits = torch.randn(9, 50257) * 3
     params = [SamplingParams(temperature=0 if row % 3 == 0 else 0.8, seed=row) for row in range(9)]
-    eager, compiled = (Sampler(seed=0, device=torch.device("cpu"), compiled=c) for c in (False, True))
-    tokens = [sampler(logits, SamplingBatch.from_params(params, [torch.Generator().manual_seed(p.seed) for p in params],
-                                                         50257, torch.device("cpu")))
-              for sampler in (eager, compiled)]
+    tokens = [make_sampler(draw)(logits, SamplingBatch.from_params(
+        params, [torch.Generator().manual_seed(p.seed) for p in params], 50257, torch.device("cpu")))
+        for draw in DRAWS]
     # The same uniform per row and the same CDF up to float32 summation order: the same token
     # unless a uniform falls within ~1e-6 of a boundary, which these rows' draws do not.
-    assert torch.equal(tokens[0], tokens[1])
+    assert torch.equal(tokens[0], tokens[1]) and torch.equal(tokens[0], tokens[2])
     assert torch.equal(tokens[1][::3], logits[::3].argmax(dim=-1))
 
 

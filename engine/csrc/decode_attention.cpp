@@ -1,5 +1,5 @@
 // Decode attention over the paged KV pools, one query per sequence: the kernel
-// engine/native_attention.py builds for this CPU's vector ISA and the decode graph calls.
+// engine/native.py builds for this CPU's vector ISA and the decode graph calls.
 //
 // Each (sequence, head) reads its cached keys and values in place, block by block through
 // its block table (no gathered copy), in float32 with the ISA's widest vectors, plus its
@@ -189,7 +189,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
 
 }  // namespace
 
-TORCH_LIBRARY(rayinfer, m) {
+TORCH_LIBRARY_FRAGMENT(rayinfer, m) {
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor context_lens) -> Tensor");
 }

@@ -1,0 +1,49 @@
+"""Our C++ kernels (engine/csrc/*.cpp), built for this CPU's vector ISA the first time an
+engine asks for them and loaded as ops under `torch.ops.rayinfer`: `decode_attention`
+(engine/native_attention.py) and the sampler's `draw` (engine/sampler.py).
+
+The build needs a C++ compiler and ninja (torch.utils.cpp_extension), as inductor needs the
+compiler; it is cached under ~/.cache/torch_extensions, keyed by the sources and flags, so
+only a process that finds no build compiles (~20 s). The ISA comes from the CPU probe, so
+RAYINFER_CPU_ISA=avx2 builds (and runs) the AVX2 kernels on an AVX-512 machine too.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+
+import torch
+
+from engine.cpu import cpu_features
+
+logger = logging.getLogger(__name__)
+
+SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
+
+# The macro selects ATen's vector types (at::vec) for the ISA; the flags let the compiler emit it.
+_ISA_FLAGS = {
+    "avx512": ["-DCPU_CAPABILITY_AVX512", "-mavx512f", "-mavx512dq", "-mavx512vl", "-mavx512bw", "-mfma"],
+    "avx2": ["-DCPU_CAPABILITY_AVX2", "-mavx2", "-mfma", "-mf16c"],
+    "baseline": [],
+}
+
+
+def isa_build() -> str:
+    """Which of _ISA_FLAGS this CPU's kernels are built for: the probe's vector width, the one
+    inductor's kernels are tiled for too (engine/inductor.py)."""
+    return {512: "avx512", 256: "avx2"}.get(cpu_features().vector_bits, "baseline")
+
+
+@functools.cache
+def load():
+    """torch.ops.rayinfer with every kernel in it, built or loaded once per process; raises
+    where the kernels cannot be built (no compiler, no ninja)."""
+    from torch.utils import cpp_extension
+
+    isa = isa_build()
+    cpp_extension.load(name=f"rayinfer_kernels_{isa}", sources=[str(s) for s in SOURCES],
+                       extra_cflags=["-O3", "-fopenmp", *_ISA_FLAGS[isa]], is_python_module=False)
+    logger.info("our C++ kernels: built for %s", isa)
+    return torch.ops.rayinfer
