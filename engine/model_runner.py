@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine import kv_pool
 from engine.attention import AttentionGroup, AttentionMetadata
 from engine.decode_graph import DecodeGraph, layer_caches
 from engine.logits_controls import LogitsControls
@@ -45,7 +46,7 @@ class ModelRunner:
         # One tensor for every layer's k and v (the decode graph writes them all at once);
         # the model reads and writes each layer's pair through views of it.
         shape = (config.n_layer, 2, config.n_head, num_blocks, block_size, config.n_embd // config.n_head)
-        self.kv_pool = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.kv_pool = kv_pool.allocate(shape, self.dtype, self.device)
         self.kv_caches = layer_caches(self.kv_pool)
         self.sampler = sampler
 

@@ -1,0 +1,54 @@
+"""The KV pool's memory: one tensor for every layer's keys and values, backed by transparent
+huge pages where the OS allows them.
+
+A decode step reads each sequence's blocks wherever the block manager put them: for GPT-2
+small, 12 layers × 2 × 12 heads × a few blocks of 2 KB per sequence, each block on a page of
+its own. With 4 KB pages nearly every block read is a TLB miss and a page walk; with 2 MB
+pages the blocks of a head share a handful of pages (the figures are in BENCHMARKS.md).
+Only the pool is advised, not the process (PyTorch's THP_MEM_ALLOC_ENABLE would advise every
+allocation of 2 MB or more).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import logging
+import sys
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+HUGE_PAGE = 2 << 20
+MADV_HUGEPAGE = 14  # <sys/mman.h> on Linux
+
+
+def allocate(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, huge_pages: bool = True) -> torch.Tensor:
+    """A zeroed tensor of `shape`; on a Linux CPU, one of at least a huge page is advised for
+    them before its first touch (zeroing it faults the pages in, huge where the kernel can
+    find them)."""
+    nbytes = dtype.itemsize * torch.Size(shape).numel()
+    madvise = _madvise()
+    if not huge_pages or device.type != "cpu" or madvise is None or nbytes < HUGE_PAGE:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    # Untouched memory (glibc serves an allocation this large with mmap), aligned to a huge
+    # page: the advice then holds for every fault to come.
+    raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
+    offset = -raw.data_ptr() % HUGE_PAGE
+    region = raw[offset : offset + nbytes]
+    if madvise(ctypes.c_void_p(region.data_ptr()), ctypes.c_size_t(nbytes), MADV_HUGEPAGE) != 0:
+        logger.info("KV pool on 4 KB pages: madvise(MADV_HUGEPAGE) refused (errno %d)", ctypes.get_errno())
+    return region.view(dtype).view(shape).zero_()
+
+
+@functools.cache
+def _madvise():
+    if not sys.platform.startswith("linux"):
+        return None
+    name = ctypes.util.find_library("c")
+    try:
+        return ctypes.CDLL(name, use_errno=True).madvise if name else None
+    except (OSError, AttributeError):
+        return None
