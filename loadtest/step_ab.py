@@ -5,6 +5,10 @@ inside the step, where two `loadtest.ceiling` runs can't tell 5% from noise.
     python -m loadtest.step_ab --dtype bfloat16 --a '{"compile_decode": true, "decode_attention": "torch"}' \\
         --b '{"compile_decode": true, "decode_attention": "native"}'
 
+`--small-pages A` (or B) leaves that side's KV pool on 4 KB pages (engine/kv_pool.py), the
+A/B for the pool's huge pages; `--python-wrapper A` compiles that side's decode graph with
+inductor's Python wrapper rather than its C++ one (engine/inductor.py cpp_wrapper).
+
 Each engine decodes the same prompts (num_requests rows, greedy unless --temperature); per step, A then B or B
 then A (alternating). Prints each side's median step, and B's over A's.
 """
@@ -12,9 +16,16 @@ then A (alternating). Prints each side's median step, and B's over A's.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
 import statistics
 import time
+from unittest import mock
+
+import engine.decode_graph as decode_graph
+import engine.inductor as inductor
+import engine.kv_pool as kv_pool
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
@@ -35,6 +46,19 @@ def timed_step(engine: LLMEngine) -> float:
     return (time.perf_counter() - begin) * 1000
 
 
+def build(args: argparse.Namespace, fields: dict, small_pages: bool, python_wrapper: bool) -> LLMEngine:
+    config = EngineConfig(model=args.model, weights="random", dtype=args.dtype, device="cpu",
+                          num_kv_blocks=args.num_kv_blocks, **fields)
+    with contextlib.ExitStack() as patches:
+        if small_pages:
+            patches.enter_context(mock.patch.object(kv_pool, "allocate",
+                                                    functools.partial(kv_pool.allocate, huge_pages=False)))
+        if python_wrapper:
+            patches.enter_context(mock.patch.object(
+                decode_graph, "compile_for", lambda *a, **k: inductor.compile_for(*a, **{**k, "cpp_wrapper": False})))
+        return LLMEngine(config)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="gpt2")
@@ -46,9 +70,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=63, help="decode steps per round (the context grows over them)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; OpenAI's default is 1")
+    parser.add_argument("--small-pages", choices=["A", "B"], help="this side's KV pool on 4 KB pages")
+    parser.add_argument("--python-wrapper", choices=["A", "B"], help="this side's decode graph without cpp_wrapper")
+    parser.add_argument("--num-kv-blocks", type=int, default=1024)
     args = parser.parse_args()
-    engines = {side: LLMEngine(EngineConfig(model=args.model, weights="random", dtype=args.dtype, device="cpu",
-                                            num_kv_blocks=1024, **fields))
+    engines = {side: build(args, fields, small_pages=args.small_pages == side,
+                           python_wrapper=args.python_wrapper == side)
                for side, fields in (("A", args.a), ("B", args.b))}
     prompts = make_prompts(args.num_requests, args.prompt_len, engines["A"].model_info.vocab_size)
     times: dict[str, list[float]] = {"A": [], "B": []}
