@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine import kv_pool
+import engine.kv_pool as kv_pool
 from engine.attention import AttentionGroup, AttentionMetadata
 from engine.decode_graph import DecodeGraph, layer_caches
 from engine.logits_controls import LogitsControls
