@@ -93,11 +93,8 @@ def engine_deployment_options(args: AppArgs, num_gpus: float) -> dict:
 
 
 def engine_actor_options(args: AppArgs, num_gpus: float) -> dict:
-    options: dict[str, Any] = {"num_cpus": args.engine_num_cpus, "num_gpus": num_gpus}
-    runtime_env = engine_runtime_env(args.engine_preload, args.engine_env)
-    if runtime_env:
-        options["runtime_env"] = runtime_env
-    return options
+    return {"num_cpus": args.engine_num_cpus, "num_gpus": num_gpus,
+            "runtime_env": engine_runtime_env(args.engine_preload, args.engine_env)}
 
 
 def engine_config(args: AppArgs, num_gpus: float) -> EngineConfig:

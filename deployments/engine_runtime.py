@@ -3,6 +3,13 @@ OpenMP settings, through its Ray `runtime_env` (a config file's `engine_preload`
 `engine_env` args). Ray starts the replica's worker process with these variables, so
 `LD_PRELOAD` takes effect before torch loads.
 
+One variable is set by default (`engine_env` may override it): Serve runs the engine
+deployment's code on the replica's own event loop rather than on a loop in a thread of its
+own, one thread hop less for every chunk a stream sends. Past its constructor (which waits
+for the engine to build, before the replica serves anything) the deployment's code never
+blocks its loop: the model steps on the step loop thread. A blocking loop is what the
+separate thread guards against. Measured in BENCHMARKS.md (session 8).
+
 Libraries are optional: a name that resolves to no file on this machine is skipped with a
 warning, so one config file runs where tcmalloc or Intel OpenMP is installed and where it
 isn't. Names:
@@ -37,8 +44,12 @@ def resolve_library(name: str) -> Path | None:
     return Path(found) if found and Path(found).is_absolute() else None
 
 
+REPLICA_DEFAULTS = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
+
+
 def engine_env_vars(preload: list[str], env: dict[str, str]) -> dict[str, str]:
-    """`env`, plus LD_PRELOAD of every library in `preload` that this machine has."""
+    """REPLICA_DEFAULTS and `env` over them, plus LD_PRELOAD of every library in `preload`
+    that this machine has."""
     found = []
     for name in preload:
         path = resolve_library(name)
@@ -46,13 +57,13 @@ def engine_env_vars(preload: list[str], env: dict[str, str]) -> dict[str, str]:
             logger.warning("engine_preload: %r not found on this machine; the engine runs without it", name)
         else:
             found.append(str(path))
-    variables = dict(env)
+    variables = {**REPLICA_DEFAULTS, **env}
     if found:
         variables["LD_PRELOAD"] = ":".join([*found, *filter(None, [env.get("LD_PRELOAD")])])
     return variables
 
 
 def engine_runtime_env(preload: list[str], env: dict[str, str]) -> dict:
-    """The engine replica's runtime_env (empty where there is nothing to set)."""
-    variables = engine_env_vars(preload, env)
-    return {"env_vars": variables} if variables else {}
+    """The engine replica's runtime_env: environment variables only, so Serve merges them
+    into the application's runtime_env (working_dir, pip, ...) rather than replacing it."""
+    return {"env_vars": engine_env_vars(preload, env)}

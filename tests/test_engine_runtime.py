@@ -12,7 +12,7 @@ import psutil
 import pytest
 
 from deployments.app import AppArgs, build_app, engine_actor_options, engine_deployment_options
-from deployments.engine_runtime import engine_env_vars, resolve_library
+from deployments.engine_runtime import REPLICA_DEFAULTS, engine_env_vars, resolve_library
 from tests.serve_helpers import running_app
 
 ENGINE_ARGS = {"num_kv_blocks": 48, "max_num_seqs": 8, "max_num_batched_tokens": 128}
@@ -33,14 +33,19 @@ def test_missing_libraries_are_skipped_with_a_warning_and_the_rest_preloaded(
     library.write_bytes(b"")
     with caplog.at_level(logging.WARNING, logger="deployments.engine_runtime"):
         env = engine_env_vars(["no-such-library-anywhere", str(library)], {"KMP_BLOCKTIME": "1", "LD_PRELOAD": "/x.so"})
-    assert env == {"KMP_BLOCKTIME": "1", "LD_PRELOAD": f"{library}:/x.so"}
+    assert env == {**REPLICA_DEFAULTS, "KMP_BLOCKTIME": "1", "LD_PRELOAD": f"{library}:/x.so"}
     assert "'no-such-library-anywhere' not found" in caplog.text
 
 
-def test_without_preload_or_env_the_engine_gets_no_runtime_env() -> None:
-    assert engine_actor_options(AppArgs(), 0) == {"num_cpus": 0.5, "num_gpus": 0}
+def test_without_preload_or_env_the_engine_gets_the_replica_defaults_alone() -> None:
+    assert engine_actor_options(AppArgs(), 0) == {"num_cpus": 0.5, "num_gpus": 0,
+                                                  "runtime_env": {"env_vars": REPLICA_DEFAULTS}}
+    assert REPLICA_DEFAULTS == {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
     options = engine_actor_options(AppArgs(engine_env={"KMP_AFFINITY": "disabled"}), 0)
-    assert options["runtime_env"] == {"env_vars": {"KMP_AFFINITY": "disabled"}}
+    assert options["runtime_env"] == {"env_vars": {**REPLICA_DEFAULTS, "KMP_AFFINITY": "disabled"}}
+    # engine_env may take the default back
+    back = engine_actor_options(AppArgs(engine_env={"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "1"}), 0)
+    assert back["runtime_env"] == {"env_vars": {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "1"}}
 
 
 def test_engine_cpu_replicas_sets_the_replica_count_on_cpu_and_never_on_gpus() -> None:
@@ -69,6 +74,7 @@ def preloaded_app(tiny_gpt2_dir: Path) -> Iterator[str]:
 def test_the_engine_replica_runs_with_the_configured_environment_and_serves(preloaded_app: str) -> None:
     replica = _engine_replica()
     assert replica.environ().get("RAYINFER_TEST_MARK") == "engine-env"
+    assert replica.environ()["RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"] == "0"
     tcmalloc = resolve_library("tcmalloc")
     if tcmalloc is not None:  # present on this machine: loaded before anything else
         assert tcmalloc.resolve() in {Path(m.path) for m in replica.memory_maps()}  # maps show the real file
