@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 
@@ -13,6 +13,8 @@ from engine.cpu import cpu_features
 from engine.loader import WeightsMode, check_weights_mode
 
 LinearsMode = Literal["auto", "reference"]
+# A hot op's implementation: our C++ kernel (native), torch's (torch), or native where it runs (auto).
+KernelChoice = Literal["auto", "native", "torch"]
 
 _DTYPES = {
     "float32": torch.float32,
@@ -51,11 +53,11 @@ class EngineConfig:
     # The compiled decode graph's attention. native: our C++ kernel (engine/native_attention.py,
     # built once per machine for the probed ISA, ~10 s); torch: the same math as a PyTorch
     # expression inductor compiles; auto: native on CPU where it builds, else torch, logged.
-    decode_attention: Literal["auto", "native", "torch"] = "auto"
+    decode_attention: KernelChoice = "auto"
     # The sampler's draw (argmax and an inverse-CDF draw per row). native: our C++ kernel
     # (engine/csrc/sampling.cpp, built with decode_attention's); torch: torch ops, compiled
     # with compile_decode; auto: native on CPU where it builds, else torch, logged.
-    sampler: Literal["auto", "native", "torch"] = "auto"
+    sampler: KernelChoice = "auto"
     seed: int = 0
     block_size: int = 16
     # KV pool size: a block count wins over a memory budget; neither means "fit max_num_seqs
@@ -79,7 +81,7 @@ class EngineConfig:
         if self.compile_decode not in (True, False, "auto"):
             raise ValueError(f"compile_decode must be true, false or auto, got {self.compile_decode!r}")
         for name in ("decode_attention", "sampler"):
-            if getattr(self, name) not in ("auto", "native", "torch"):
+            if getattr(self, name) not in get_args(KernelChoice):
                 raise ValueError(f"{name} must be auto, native or torch, got {getattr(self, name)!r}")
         if self.linears not in ("auto", "reference"):
             raise ValueError(f"linears must be auto or reference, got {self.linears!r}")

@@ -61,7 +61,7 @@ class DecodeGraph:
         # freezing also lowers the prepacked linears: inductor takes their weights only as constants
         self.attention = attention
         step = functools.partial(decode_step, model, attention)
-        # On CPU the kernels are called from C++ (1.5-4% a step, BENCHMARKS.md, session 8).
+        # On CPU the kernels are called from C++, not Python (BENCHMARKS.md, session 8).
         self._compiled = compile_for(device, step, dynamic=True, freezing=True, cpp_wrapper=device.type == "cpu")
         self.num_steps = 0  # decode steps run through the graph
 

@@ -5,18 +5,14 @@ falls back, logged, where they don't; `native` is an error where they can't run.
 from __future__ import annotations
 
 import logging
-from typing import Literal
 
 import engine.native as native
 import engine.native_attention as native_attention
 from engine.attention import decode_attention_with_own
-from engine.config import EngineConfig
+from engine.config import EngineConfig, KernelChoice
 from engine.sampler import Draw
 
 logger = logging.getLogger(__name__)
-
-Choice = Literal["auto", "native", "torch"]
-
 
 def decode_attention(config: EngineConfig, head_dim: int) -> native_attention.DecodeAttention:
     """The decode graph's attention: our kernel, or the expression inductor compiles."""
@@ -45,13 +41,13 @@ def sampler_draw(config: EngineConfig) -> Draw | None:
         return None
 
 
-def _wants_native(option: str, choice: Choice, fits: bool, why_not: str) -> bool:
+def _wants_native(option: str, choice: KernelChoice, fits: bool, why_not: str) -> bool:
     if choice == "native" and not fits:
         raise ValueError(f"{option}: native {why_not}")
     return choice != "torch" and fits
 
 
-def _fall_back(option: str, choice: Choice, exc: Exception, instead: str) -> None:
+def _fall_back(option: str, choice: KernelChoice, exc: Exception, instead: str) -> None:
     if choice == "native":
         raise ValueError(f"{option}: native: the C++ kernel did not build here ({exc!r})") from exc
     logger.warning("%s: our C++ kernel did not build (%r); %s", option, exc, instead)

@@ -26,9 +26,9 @@ MADV_HUGEPAGE = 14  # <sys/mman.h> on Linux
 
 
 def allocate(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, huge_pages: bool = True) -> torch.Tensor:
-    """A zeroed tensor of `shape`; on a Linux CPU, one of at least a huge page is advised for
-    them before its first touch (zeroing it faults the pages in, huge where the kernel can
-    find them)."""
+    """A zeroed tensor of `shape`. On a Linux CPU, where it spans a huge page or more, its
+    memory is advised for huge pages before the first touch (zeroing it faults the pages in,
+    huge where the kernel can find them)."""
     nbytes = dtype.itemsize * torch.Size(shape).numel()
     madvise = _madvise()
     if not huge_pages or device.type != "cpu" or madvise is None or nbytes < HUGE_PAGE:

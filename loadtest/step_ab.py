@@ -9,8 +9,8 @@ inside the step, where two `loadtest.ceiling` runs can't tell 5% from noise.
 A/B for the pool's huge pages; `--python-wrapper A` compiles that side's decode graph with
 inductor's Python wrapper rather than its C++ one (engine/inductor.py cpp_wrapper).
 
-Each engine decodes the same prompts (num_requests rows, greedy unless --temperature); per step, A then B or B
-then A (alternating). Prints each side's median step, and B's over A's.
+Each engine decodes the same prompts (num_requests rows, greedy unless --temperature); per
+step, A then B or B then A (alternating). Prints each side's median step, and B's over A's.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from unittest import mock
 import engine.decode_graph as decode_graph
 import engine.inductor as inductor
 import engine.kv_pool as kv_pool
-
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
