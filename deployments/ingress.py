@@ -53,12 +53,20 @@ async def http_error(request: Request, exc: StarletteHTTPException) -> JSONRespo
     return JSONResponse(ApiError(exc.status_code, str(exc.detail)).body, status_code=exc.status_code)
 
 
+# Serve runs the routes, and the routers of the handles they call, on the replica's own
+# event loop rather than on a loop in a thread each: two thread hops less for every chunk
+# relayed from the engine to the proxy (BENCHMARKS.md, session 9). The routes never block
+# the loop (tokenizing is the tokenizer deployment's, the model steps in the engine's).
+# A config file's ray_actor_options for Ingress replace this whole dict, so
+# configs/gpt2.yaml repeats these variables.
+ON_REPLICA_LOOP = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
+
 # The deployment comes last: @serve.ingress pickles the app (and the globals its routes
 # use) when it decorates the class.
 
 
 @serve.deployment(
-    ray_actor_options={"num_cpus": 0.25},
+    ray_actor_options={"num_cpus": 0.25, "runtime_env": {"env_vars": ON_REPLICA_LOOP}},
     max_ongoing_requests=512,
     # Past 512 ongoing + 256 queued the proxy answers 429 + Retry-After itself (plain text).
     # Serve counts requests still being assigned as queued: keep this well above a burst.
