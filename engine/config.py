@@ -58,6 +58,12 @@ class EngineConfig:
     # (engine/csrc/sampling.cpp, built with decode_attention's); torch: torch ops, compiled
     # with compile_decode; auto: native on CPU where it builds, else torch, logged.
     sampler: KernelChoice = "auto"
+    # Prepacked linears (linears: auto) on steps of one or two rows (one stream; the decode
+    # graph pads one row to two). native: our C++ kernel over the plain weights
+    # (engine/csrc/small_linear.cpp), kept beside the packed ones (the linears' weights take
+    # twice the memory); torch: oneDNN's product for every step. auto: ours on CPU where the
+    # linears are packed and it builds, else oneDNN's, logged (BENCHMARKS.md, session 9).
+    small_batch_linear: KernelChoice = "auto"
     seed: int = 0
     block_size: int = 16
     # KV pool size: a block count wins over a memory budget; neither means "fit max_num_seqs
@@ -80,7 +86,7 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
         if self.compile_decode not in (True, False, "auto"):
             raise ValueError(f"compile_decode must be true, false or auto, got {self.compile_decode!r}")
-        for name in ("decode_attention", "sampler"):
+        for name in ("decode_attention", "sampler", "small_batch_linear"):
             if getattr(self, name) not in get_args(KernelChoice):
                 raise ValueError(f"{name} must be auto, native or torch, got {getattr(self, name)!r}")
         if self.linears not in ("auto", "reference"):

@@ -10,6 +10,7 @@ import engine.native as native
 import engine.native_attention as native_attention
 from engine.attention import decode_attention_with_own
 from engine.config import EngineConfig, KernelChoice
+from engine.packed_linear import can_pack, load_few_rows
 from engine.sampler import Draw
 
 logger = logging.getLogger(__name__)
@@ -39,6 +40,21 @@ def sampler_draw(config: EngineConfig) -> Draw | None:
     except Exception as exc:  # noqa: BLE001 - as decode_attention
         _fall_back("sampler", config.sampler, exc, "the draw runs on torch ops")
         return None
+
+
+def small_batch_linear(config: EngineConfig) -> bool:
+    """Whether packed linears take steps of one or two rows on our kernel."""
+    packs = config.linears == "auto" and can_pack(config.torch_device, config.torch_dtype)
+    if not _wants_native("small_batch_linear", config.small_batch_linear, packs,
+                         f"needs linears: auto on a CPU that packs {config.torch_dtype}"):
+        return False
+    try:
+        load_few_rows()
+    except Exception as exc:  # noqa: BLE001 - as decode_attention
+        _fall_back("small_batch_linear", config.small_batch_linear, exc, "oneDNN's product for every step")
+        return False
+    logger.info("small_batch_linear: one or two rows on our C++ kernel")
+    return True
 
 
 def _wants_native(option: str, choice: KernelChoice, fits: bool, why_not: str) -> bool:

@@ -12,7 +12,7 @@ from engine.config import EngineConfig, LinearsMode
 from engine.cpu import cpu_features
 from engine.decode_graph import DecodeGraph
 from engine.heap import limit_onednn_caches
-from engine.kernel_choice import decode_attention, sampler_draw
+from engine.kernel_choice import decode_attention, sampler_draw, small_batch_linear
 from engine.loader import ModelSource, load_state_dict, resolve_model
 from engine.logprobs import TokenLogprob
 from engine.model_runner import ModelOutput, ModelRunner
@@ -39,7 +39,8 @@ class LLMEngine:
         if config.torch_device.type == "cpu":
             torch.set_num_threads(config.cpu_threads)
         source = resolve_model(config.model, config.weights)
-        model = build_model(source, config.torch_dtype, config.torch_device, config.seed, config.linears)
+        model = build_model(source, config.torch_dtype, config.torch_device, config.seed, config.linears,
+                            few_rows=small_batch_linear(config))
         hf = source.config
         self.max_model_len = min(config.max_model_len or hf.n_positions, hf.n_positions)
         self.eos_token_id = hf.eos_token_id if hf.eos_token_id is not None else hf.vocab_size - 1
@@ -208,9 +209,9 @@ def _default_kv_budget(device: torch.device) -> float:
 
 
 def build_model(source: ModelSource, dtype: torch.dtype, device: torch.device, seed: int,
-                linears: LinearsMode = "reference") -> GPT2LMHead:
+                linears: LinearsMode = "reference", few_rows: bool = False) -> GPT2LMHead:
     """The model on `device` in `dtype`; linears="auto" prepacks its linears where the CPU runs
-    that (then its state dict no longer holds them)."""
+    that (then its state dict no longer holds them), `few_rows` with our kernel for one or two rows."""
     with torch.device("meta"):
         model = GPT2LMHead(source.config)
     model.to_empty(device="cpu")
@@ -221,8 +222,9 @@ def build_model(source: ModelSource, dtype: torch.dtype, device: torch.device, s
     model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
     packed = linears == "auto" and can_pack(device, dtype)
     if packed:
-        model.pack_linears()
+        model.pack_linears(few_rows)
     if device.type == "cpu":
-        logger.info("CPU: %s; linears: %s %s", cpu_features().summary(),
-                    "oneDNN-prepacked" if packed else "F.linear", str(dtype).removeprefix("torch."))
+        logger.info("CPU: %s; linears: %s %s%s", cpu_features().summary(),
+                    "oneDNN-prepacked" if packed else "F.linear", str(dtype).removeprefix("torch."),
+                    ", ours for one or two rows" if packed and few_rows else "")
     return model

@@ -12,9 +12,13 @@ the path that is token-exact with Hugging Face.
 
 from __future__ import annotations
 
+import functools
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+import engine.native as native
 from engine.cpu import cpu_features
 
 
@@ -27,9 +31,12 @@ class PackedLinear(nn.Module):
     """y = x @ weight.T + bias for 2-D x, with the weight in oneDNN's layout.
 
     The packed weight is an opaque tensor, kept out of the state dict: pack after loading.
+    With `few_rows`, the plain weight stays beside it and torch.ops.rayinfer.linear
+    (engine/csrc/small_linear.cpp) takes steps of one or two rows on it: oneDNN streams so
+    few rows' weights well below the memory's bandwidth (BENCHMARKS.md, session 9).
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, few_rows: bool = False):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         # Buffers (not in the state dict), so that torch.compile sees them as the module's
@@ -37,18 +44,56 @@ class PackedLinear(nn.Module):
         self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None),
                              persistent=False)
         self.register_buffer("bias", None if bias is None else bias.detach(), persistent=False)
+        self.register_buffer("weight", weight.detach().contiguous() if few_rows else None, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight is not None:
+            return torch.ops.rayinfer.linear(x, self.packed_weight, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+
+    @property
+    def few_rows(self) -> bool:
+        return self.weight is not None
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-def pack_linears(module: nn.Module) -> None:
-    """Replace every nn.Linear under `module` by a PackedLinear, in place; frees the originals."""
+@functools.cache
+def load_few_rows() -> None:
+    """Our op for one or two rows, with the fake implementation that lets the decode graph
+    trace through it; raises where the kernels cannot be built."""
+    native.load()
+    torch.library.register_fake("rayinfer::linear")(_linear_output)
+
+
+def _linear_output(x: torch.Tensor, packed_weight: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                   epilogue: str = "none", other: torch.Tensor | None = None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+# A linear and what follows it in a GPT-2 block, as one op where the layer is ours for few
+# rows: inductor fuses the same into oneDNN's linears in the decode graph, but cannot see
+# through our op. Elsewhere the plain expressions, unchanged (the reference path's included).
+def linear_gelu(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """gelu(layer(x)), tanh-approximated as GPT-2's."""
+    if isinstance(layer, PackedLinear) and layer.few_rows:
+        return torch.ops.rayinfer.linear(x, layer.packed_weight, layer.weight, layer.bias, "gelu")
+    return F.gelu(layer(x), approximate="tanh")
+
+
+def linear_add(layer: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """residual + layer(x)."""
+    if isinstance(layer, PackedLinear) and layer.few_rows:
+        return torch.ops.rayinfer.linear(x, layer.packed_weight, layer.weight, layer.bias, "add", residual)
+    return residual + layer(x)
+
+
+def pack_linears(module: nn.Module, few_rows: bool = False) -> None:
+    """Replace every nn.Linear under `module` by a PackedLinear, in place; frees the originals
+    (keeps their weights with `few_rows`)."""
     for name, child in module.named_children():
         if isinstance(child, nn.Linear):
-            setattr(module, name, PackedLinear(child.weight, child.bias))
+            setattr(module, name, PackedLinear(child.weight, child.bias, few_rows))
         else:
-            pack_linears(child)
+            pack_linears(child, few_rows)

@@ -72,7 +72,9 @@ def test_bf16_engine_without_avx512_falls_back_to_f_linear(tiny_gpt2_dir, avx2_o
 def test_packed_bf16_engine_generates_the_same_tokens_as_unpacked(tiny_gpt2_dir, monkeypatch):
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     prompts = mixed_prompts(8)
-    packed = LLM(str(tiny_gpt2_dir), weights="pretrained", dtype="bfloat16", device="cpu").generate(prompts, params)
+    # Packing alone: our kernel for one or two rows rounds differently (tests/test_small_linear.py).
+    packed = LLM(str(tiny_gpt2_dir), weights="pretrained", dtype="bfloat16", device="cpu",
+                 small_batch_linear="torch").generate(prompts, params)
     monkeypatch.setattr(llm_engine, "can_pack", lambda device, dtype: False)
     unpacked_llm = LLM(str(tiny_gpt2_dir), weights="pretrained", dtype="bfloat16", device="cpu")
     assert unpacked_llm.engine.runner.model.lm_head is None

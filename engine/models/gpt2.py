@@ -13,7 +13,7 @@ from transformers import GPT2Config
 
 from engine.attention import AttentionMetadata, decode_attention_with_own, paged_attention
 from engine.native_attention import DecodeAttention
-from engine.packed_linear import PackedLinear, pack_linears
+from engine.packed_linear import PackedLinear, linear_add, linear_gelu, pack_linears
 
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
@@ -35,7 +35,7 @@ class GPT2Block(nn.Module):
     def forward(self, h: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.attn_qkv(self.ln_1(h)).view(h.shape[0], 3, self.num_heads, self.head_dim)
         attn = paged_attention(qkv[:, 0], qkv[:, 1], qkv[:, 2], kv_cache[0], kv_cache[1], meta)
-        return self._mlp(h + self.attn_out(attn.flatten(1)))
+        return self._mlp(linear_add(self.attn_out, attn.flatten(1), h))
 
     def decode(self, h: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], block_tables: torch.Tensor,
                context_lens: torch.Tensor, attention: DecodeAttention) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -43,10 +43,10 @@ class GPT2Block(nn.Module):
         qkv = self.attn_qkv(self.ln_1(h)).view(h.shape[0], 3, self.num_heads, self.head_dim)
         q, k, v = qkv.unbind(1)
         attn = attention(q, k, v, kv_cache[0], kv_cache[1], block_tables, context_lens)
-        return self._mlp(h + self.attn_out(attn.flatten(1))), k, v
+        return self._mlp(linear_add(self.attn_out, attn.flatten(1), h)), k, v
 
     def _mlp(self, h: torch.Tensor) -> torch.Tensor:
-        return h + self.mlp_proj(F.gelu(self.mlp_fc(self.ln_2(h)), approximate="tanh"))
+        return linear_add(self.mlp_proj, linear_gelu(self.mlp_fc, self.ln_2(h)), h)
 
 
 class GPT2LMHead(nn.Module):
@@ -94,12 +94,12 @@ class GPT2LMHead(nn.Module):
             new_values.append(v)
         return self._logits(self.ln_f(h)), torch.stack(new_keys), torch.stack(new_values)
 
-    def pack_linears(self) -> None:
+    def pack_linears(self, few_rows: bool = False) -> None:
         """Prepack the projections and the LM head for oneDNN (bf16 on CPU, see
         engine/packed_linear.py). Call after the weights are loaded: the state dict then no
-        longer holds the projections."""
-        pack_linears(self.h)
-        self.lm_head = PackedLinear(self.wte.weight, None)
+        longer holds the projections. `few_rows`: steps of one or two rows on our kernel."""
+        pack_linears(self.h, few_rows)
+        self.lm_head = PackedLinear(self.wte.weight, None, few_rows)
 
     @torch.no_grad()
     def load_hf_weights(self, state_dict: dict[str, torch.Tensor]) -> None:

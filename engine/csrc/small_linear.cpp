@@ -1,0 +1,182 @@
+// y = epilogue(x @ weight.T + bias) for a prepacked linear (engine/packed_linear.py): for one
+// or two rows, a pass over the plain weight of our own; for more, oneDNN's product on the
+// packed one. The epilogues are those inductor fuses into oneDNN's linears in the decode
+// graph, which it cannot see through this op: "none", "gelu" (tanh-approximated, GPT-2's)
+// and "add" (y + other, the residual).
+//
+// Why: a decode step of one sequence (padded to two rows by the decode graph) reads every
+// weight once, and its time is that read. oneDNN's kernels for so few rows stream the weights
+// well below this machine's memory bandwidth; one dot product per output, its rows split
+// across torch's threads, streams them near it (BENCHMARKS.md, session 9).
+//
+// bf16 products use AVX-512 BF16's dot-product instruction where the CPU has it (checked
+// here, once); fp32 products, and bf16 elsewhere, ATen's vector types for the build's ISA.
+// Accumulation is in fp32 either way.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <cmath>
+#include <torch/library.h>
+
+#if defined(CPU_CAPABILITY_AVX512)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kMaxRows = 2;  // past it, oneDNN's product is as fast or faster
+constexpr int64_t kGrain = 16;  // output features per task: each task streams kGrain weight rows
+
+struct Epilogue {
+  enum Kind { kNone, kGelu, kAdd } kind;
+  const void* other;  // kAdd: [rows, N], the linear's output dtype
+};
+
+template <typename T>
+inline T finish(float acc, const T* bias, const Epilogue& e, int64_t m, int64_t n, int64_t N) {
+  float y = acc + (bias ? float(bias[n]) : 0.f);
+  if (e.kind == Epilogue::kGelu) {
+    constexpr float kAlpha = 0.7978845608028654f;  // sqrt(2 / pi)
+    y = 0.5f * y * (1.f + std::tanh(kAlpha * (y + 0.044715f * y * y * y)));
+  } else if (e.kind == Epilogue::kAdd) {
+    y += float(static_cast<const T*>(e.other)[m * N + n]);
+  }
+  return T(y);
+}
+
+inline float reduce_add(Vec v) {
+  return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, v);
+}
+
+// Output features [n0, n1) of every row, for any dtype ATen's vectors convert to float.
+template <typename T, int64_t M>
+void rows_vec(const T* x, const T* w, const T* bias, const Epilogue& e, T* y, int64_t K, int64_t N, int64_t n0,
+              int64_t n1) {
+  const int64_t step = Vec::size();
+  for (int64_t n = n0; n < n1; ++n) {
+    const T* wr = w + n * K;
+    Vec acc[M];
+    for (int64_t m = 0; m < M; ++m) acc[m] = Vec(0.f);
+    int64_t k = 0;
+    for (; k + step <= K; k += step) {
+      Vec wv = at::vec::convert<float>(at::vec::Vectorized<T>::loadu(wr + k, step));
+      for (int64_t m = 0; m < M; ++m)
+        acc[m] = at::vec::fmadd(wv, at::vec::convert<float>(at::vec::Vectorized<T>::loadu(x + m * K + k, step)), acc[m]);
+    }
+    for (int64_t m = 0; m < M; ++m) {
+      float sum = reduce_add(acc[m]);
+      for (int64_t kk = k; kk < K; ++kk) sum += float(wr[kk]) * float(x[m * K + kk]);
+      y[m * N + n] = finish(sum, bias, e, m, n, N);
+    }
+  }
+}
+
+#if defined(CPU_CAPABILITY_AVX512)
+// bf16 with vdpbf16ps: 32 products a instruction, summed in pairs into 16 fp32 lanes.
+template <int64_t M>
+__attribute__((target("avx512bf16,avx512bw,avx512vl,avx512f")))
+void rows_bf16_dot(const at::BFloat16* x, const at::BFloat16* w, const at::BFloat16* bias, const Epilogue& e,
+                   at::BFloat16* y, int64_t K, int64_t N, int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const at::BFloat16* wr = w + n * K;
+    __m512 acc[M];
+    for (int64_t m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32) {
+      __m512bh wv = (__m512bh)_mm512_loadu_si512(wr + k);
+      for (int64_t m = 0; m < M; ++m)
+        acc[m] = _mm512_dpbf16_ps(acc[m], wv, (__m512bh)_mm512_loadu_si512(x + m * K + k));
+    }
+    for (int64_t m = 0; m < M; ++m) {
+      float sum = _mm512_reduce_add_ps(acc[m]);
+      for (int64_t kk = k; kk < K; ++kk) sum += float(wr[kk]) * float(x[m * K + kk]);
+      y[m * N + n] = finish(sum, bias, e, m, n, N);
+    }
+  }
+}
+
+bool has_bf16_dot() {
+  static const bool has = __builtin_cpu_supports("avx512bf16");
+  return has;
+}
+#endif
+
+template <typename T, int64_t M>
+void rows(const T* x, const T* w, const T* bias, const Epilogue& e, T* y, int64_t K, int64_t N, int64_t n0,
+          int64_t n1) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    if (has_bf16_dot()) return rows_bf16_dot<M>(x, w, bias, e, y, K, N, n0, n1);
+  }
+#endif
+  rows_vec<T, M>(x, w, bias, e, y, K, N, n0, n1);
+}
+
+template <typename T>
+at::Tensor few_rows(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                    Epilogue e) {
+  const int64_t K = weight.size(1), N = weight.size(0), M = x.numel() / K;
+  auto shape = x.sizes().vec();
+  shape.back() = N;
+  at::Tensor y = at::empty(shape, x.options());
+  const T* xp = x.data_ptr<T>();
+  const T* wp = weight.data_ptr<T>();
+  const T* bp = bias && bias->defined() ? bias->data_ptr<T>() : nullptr;
+  T* yp = y.data_ptr<T>();
+  at::parallel_for(0, N, kGrain, [&](int64_t n0, int64_t n1) {
+    if (M == 1) rows<T, 1>(xp, wp, bp, e, yp, K, N, n0, n1);
+    else rows<T, 2>(xp, wp, bp, e, yp, K, N, n0, n1);
+  });
+  return y;
+}
+
+using Pointwise = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, c10::string_view,
+                             c10::List<std::optional<at::Scalar>>, std::optional<c10::string_view>);
+using Binary = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                          c10::string_view);
+
+at::Tensor onednn(const at::Tensor& x, const at::Tensor& packed_weight, const std::optional<at::Tensor>& bias,
+                  c10::string_view epilogue, const std::optional<at::Tensor>& other) {
+  auto& dispatcher = c10::Dispatcher::singleton();
+  if (epilogue == "add") {
+    static const auto op = dispatcher.findSchemaOrThrow("mkldnn::_linear_pointwise", "binary").typed<Binary>();
+    return op.call(x, *other, packed_weight, bias, "add");
+  }
+  static const auto op = dispatcher.findSchemaOrThrow("mkldnn::_linear_pointwise", "").typed<Pointwise>();
+  const bool gelu = epilogue == "gelu";
+  return op.call(x, packed_weight, bias, gelu ? "gelu" : "none", c10::List<std::optional<at::Scalar>>(),
+                 c10::string_view(gelu ? "tanh" : ""));
+}
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed_weight, const at::Tensor& weight,
+                  const std::optional<at::Tensor>& bias, c10::string_view epilogue,
+                  const std::optional<at::Tensor>& other) {
+  TORCH_CHECK(epilogue == "none" || epilogue == "gelu" || epilogue == "add", "linear: unknown epilogue ", epilogue);
+  TORCH_CHECK((epilogue == "add") == (other.has_value() && other->defined()), "linear: `other` goes with \"add\" alone");
+  const int64_t K = weight.size(1), N = weight.size(0);
+  const bool few = x.dim() >= 1 && x.size(-1) == K && x.numel() <= kMaxRows * K && x.numel() > 0;
+  const bool dense = x.is_contiguous() && weight.is_contiguous() && x.scalar_type() == weight.scalar_type() &&
+                     (!other || (other->is_contiguous() && other->numel() == x.numel() / K * N &&
+                                 other->scalar_type() == x.scalar_type()));
+  if (!few || !dense || (x.scalar_type() != at::kBFloat16 && x.scalar_type() != at::kFloat))
+    return onednn(x, packed_weight, bias, epilogue, other);
+  Epilogue e{epilogue == "gelu" ? Epilogue::kGelu : epilogue == "add" ? Epilogue::kAdd : Epilogue::kNone,
+             other ? other->data_ptr() : nullptr};
+  if (x.scalar_type() == at::kBFloat16) return few_rows<at::BFloat16>(x, weight, bias, e);
+  return few_rows<float>(x, weight, bias, e);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(rayinfer, m) {
+  m.def("linear(Tensor x, Tensor packed_weight, Tensor weight, Tensor? bias, str epilogue=\"none\", "
+        "Tensor? other=None) -> Tensor");
+}
+
+// fp32 weights pack into an MKLDNN-layout tensor, which dispatches on its own key.
+TORCH_LIBRARY_IMPL(rayinfer, CPU, m) { m.impl("linear", &linear); }
+TORCH_LIBRARY_IMPL(rayinfer, MkldnnCPU, m) { m.impl("linear", &linear); }

@@ -1,0 +1,105 @@
+"""Packed linears take steps of one or two rows on our kernel (engine/csrc/small_linear.cpp,
+`small_batch_linear`), more rows on oneDNN's, with the epilogues inductor would have fused
+(GELU, the residual add). The op is checked against float64 products; the engine on it
+against the reference path (F.linear) the way vLLM checks kernels against HF: the same greedy
+tokens, or where they diverge each side's token within the other's top 5, logprobs close."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine import LLM, EngineConfig, cpu
+from engine.packed_linear import PackedLinear, can_pack, load_few_rows
+from tests.engine_helpers import greedy_logprobs, mixed_prompts
+
+DTYPES = [
+    pytest.param(torch.float32, id="fp32"),
+    pytest.param(torch.bfloat16, id="bf16", marks=pytest.mark.skipif(
+        not can_pack(torch.device("cpu"), torch.bfloat16),
+        reason=f"needs oneDNN bf16 (AVX-512 BW/VL/DQ); this CPU: {cpu.cpu_features().summary()}")),
+]
+TOLERANCE = {torch.float32: {"rtol": 1e-5, "atol": 1e-5}, torch.bfloat16: {"rtol": 1.6e-2, "atol": 1e-2}}
+TOP_K = 5
+LOGPROB_ATOL = {torch.float32: 1e-3, torch.bfloat16: 0.1}  # bf16 keeps 8 mantissa bits
+
+pytestmark = pytest.mark.skipif(not can_pack(torch.device("cpu"), torch.float32),
+                                reason=f"needs oneDNN's linear ops on x86-64; this CPU: {cpu.cpu_features().summary()}")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels():
+    load_few_rows()
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _layer(dtype: torch.dtype, in_features: int, out_features: int, seed: int) -> PackedLinear:
+    generator = torch.Generator().manual_seed(seed)
+    weight = (torch.randn(out_features, in_features, generator=generator) / in_features**0.5).to(dtype)
+    bias = torch.randn(out_features, generator=generator).to(dtype)
+    return PackedLinear(weight, bias, few_rows=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 2, 3])  # 3: past our kernel, oneDNN's with the same epilogue
+@pytest.mark.parametrize("shape", [(64, 96), (100, 37)])  # 100: a row that ends inside a vector
+@pytest.mark.parametrize("epilogue", ["none", "gelu", "add"])
+def test_products_and_epilogues_match_float64(dtype, rows, shape, epilogue):
+    layer = _layer(dtype, *shape, seed=rows)
+    generator = torch.Generator().manual_seed(7)
+    x = torch.randn(rows, shape[0], generator=generator).to(dtype)
+    residual = torch.randn(rows, shape[1], generator=generator).to(dtype) if epilogue == "add" else None
+    exact = F.linear(x.double(), layer.weight.double(), layer.bias.double())
+    want = {"none": exact, "gelu": F.gelu(exact, approximate="tanh"),
+            "add": exact + (residual.double() if residual is not None else 0)}[epilogue]
+    got = torch.ops.rayinfer.linear(x, layer.packed_weight, layer.weight, layer.bias, epilogue, residual)
+    assert got.dtype == dtype and got.shape == want.shape
+    torch.testing.assert_close(got.double(), want, **TOLERANCE[dtype])
+
+
+def test_an_unknown_epilogue_and_an_other_without_add_are_refused():
+    layer = _layer(torch.float32, 64, 96, seed=0)
+    x = torch.randn(1, 64)
+    with pytest.raises(RuntimeError, match="unknown epilogue"):
+        torch.ops.rayinfer.linear(x, layer.packed_weight, layer.weight, layer.bias, "relu")
+    with pytest.raises(RuntimeError, match="other"):
+        torch.ops.rayinfer.linear(x, layer.packed_weight, layer.weight, layer.bias, "gelu", torch.zeros(1, 96))
+    with pytest.raises(RuntimeError, match="other"):
+        torch.ops.rayinfer.linear(x, layer.packed_weight, layer.weight, layer.bias, "add")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_engine_takes_it_by_default_and_leaves_it_on_torch(tiny_gpt2_dir, dtype):
+    def lm_head(**options) -> PackedLinear:
+        return LLM(str(tiny_gpt2_dir), weights="pretrained", dtype=_name(dtype), device="cpu", **options).engine.runner.model.lm_head
+
+    assert lm_head().few_rows and lm_head(small_batch_linear="native").few_rows
+    assert not lm_head(small_batch_linear="torch").few_rows
+
+
+def test_native_without_packed_linears_and_unknown_values_are_refused(tiny_gpt2_dir):
+    with pytest.raises(ValueError, match="small_batch_linear: native"):
+        LLM(str(tiny_gpt2_dir), weights="pretrained", dtype="float32", device="cpu", linears="reference",
+            small_batch_linear="native")
+    with pytest.raises(ValueError, match="small_batch_linear"):
+        EngineConfig(model="gpt2", small_batch_linear="fast")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_one_stream_on_it_agrees_with_the_reference_path_to_top5_and_logprobs(tiny_gpt2_dir, dtype):
+    fast = LLM(str(tiny_gpt2_dir), weights="pretrained", dtype=_name(dtype), device="cpu")
+    reference = LLM(str(tiny_gpt2_dir), weights="pretrained", dtype=_name(dtype), device="cpu", linears="reference")
+    assert fast.engine.runner.model.lm_head.few_rows
+    for prompt in mixed_prompts(6):  # one prompt at a time: every decode step is one row
+        fast_tokens, fast_lps = greedy_logprobs(fast, prompt, 16)
+        ref_tokens, ref_lps = greedy_logprobs(reference, prompt, 16)
+        assert fast_tokens[0] == ref_tokens[0]
+        for i, (a, b) in enumerate(zip(fast_tokens, ref_tokens)):
+            if a != b:  # a near-tie: each side's choice ranks high on the other, then stop
+                assert a in ref_lps[i].topk(TOP_K).indices and b in fast_lps[i].topk(TOP_K).indices
+                break
+            assert abs(fast_lps[i][a] - ref_lps[i][a]) < LOGPROB_ATOL[dtype]
