@@ -58,8 +58,8 @@ class EngineConfig:
     # (engine/csrc/sampling.cpp, built with decode_attention's); torch: torch ops, compiled
     # with compile_decode; auto: native on CPU where it builds, else torch, logged.
     sampler: KernelChoice = "auto"
-    # Prepacked linears (linears: auto) on steps of one or two rows (one stream; the decode
-    # graph pads one row to two). native: our C++ kernel over the plain weights
+    # Prepacked linears (linears: auto) on steps of one to three rows (up to three streams;
+    # the decode graph pads one row to two). native: our C++ kernel over the plain weights
     # (engine/csrc/small_linear.cpp), kept beside the packed ones (the linears' weights take
     # twice the memory); torch: oneDNN's product for every step. auto: ours on CPU where the
     # linears are packed and it builds, else oneDNN's, logged (BENCHMARKS.md, session 9).

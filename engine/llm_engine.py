@@ -211,7 +211,7 @@ def _default_kv_budget(device: torch.device) -> float:
 def build_model(source: ModelSource, dtype: torch.dtype, device: torch.device, seed: int,
                 linears: LinearsMode = "reference", few_rows: bool = False) -> GPT2LMHead:
     """The model on `device` in `dtype`; linears="auto" prepacks its linears where the CPU runs
-    that (then its state dict no longer holds them), `few_rows` with our kernel for one or two rows."""
+    that (then its state dict no longer holds them), `few_rows` with our kernel for one to three rows."""
     with torch.device("meta"):
         model = GPT2LMHead(source.config)
     model.to_empty(device="cpu")
@@ -226,5 +226,5 @@ def build_model(source: ModelSource, dtype: torch.dtype, device: torch.device, s
     if device.type == "cpu":
         logger.info("CPU: %s; linears: %s %s%s", cpu_features().summary(),
                     "oneDNN-prepacked" if packed else "F.linear", str(dtype).removeprefix("torch."),
-                    ", ours for one or two rows" if packed and few_rows else "")
+                    ", ours for one to three rows" if packed and few_rows else "")
     return model

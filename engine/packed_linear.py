@@ -32,7 +32,7 @@ class PackedLinear(nn.Module):
 
     The packed weight is an opaque tensor, kept out of the state dict: pack after loading.
     With `few_rows`, the plain weight stays beside it and torch.ops.rayinfer.linear
-    (engine/csrc/small_linear.cpp) takes steps of one or two rows on it: oneDNN streams so
+    (engine/csrc/small_linear.cpp) takes steps of one to three rows on it: oneDNN streams so
     few rows' weights well below the memory's bandwidth (BENCHMARKS.md, session 9).
     """
 
@@ -61,7 +61,7 @@ class PackedLinear(nn.Module):
 
 @functools.cache
 def load_few_rows() -> None:
-    """Our op for one or two rows, with the fake implementation that lets the decode graph
+    """Our op for one to three rows, with the fake implementation that lets the decode graph
     trace through it; raises where the kernels cannot be built."""
     native.load()
     torch.library.register_fake("rayinfer::linear")(_linear_output)

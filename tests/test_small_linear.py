@@ -1,4 +1,4 @@
-"""Packed linears take steps of one or two rows on our kernel (engine/csrc/small_linear.cpp,
+"""Packed linears take steps of one to three rows on our kernel (engine/csrc/small_linear.cpp,
 `small_batch_linear`), more rows on oneDNN's, with the epilogues inductor would have fused
 (GELU, the residual add). The op is checked against float64 products; the engine on it
 against the reference path (F.linear) the way vLLM checks kernels against HF: the same greedy
@@ -45,7 +45,7 @@ def _layer(dtype: torch.dtype, in_features: int, out_features: int, seed: int) -
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 2, 3])  # 3: past our kernel, oneDNN's with the same epilogue
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])  # 4: past our kernel, oneDNN's with the same epilogue
 @pytest.mark.parametrize("shape", [(64, 96), (100, 37)])  # 100: a row that ends inside a vector
 @pytest.mark.parametrize("epilogue", ["none", "gelu", "add"])
 def test_products_and_epilogues_match_float64(dtype, rows, shape, epilogue):

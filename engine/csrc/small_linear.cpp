@@ -1,5 +1,5 @@
-// y = epilogue(x @ weight.T + bias) for a prepacked linear (engine/packed_linear.py): for one
-// or two rows, a pass over the plain weight of our own; for more, oneDNN's product on the
+// y = epilogue(x @ weight.T + bias) for a prepacked linear (engine/packed_linear.py): for up
+// to three rows, a pass over the plain weight of our own; for more, oneDNN's product on the
 // packed one. The epilogues are those inductor fuses into oneDNN's linears in the decode
 // graph, which it cannot see through this op: "none", "gelu" (tanh-approximated, GPT-2's)
 // and "add" (y + other, the residual).
@@ -28,7 +28,6 @@
 namespace {
 
 using Vec = at::vec::Vectorized<float>;
-constexpr int64_t kMaxRows = 2;  // past it, oneDNN's product is as fast or faster
 constexpr int64_t kGrain = 16;  // output features per task: each task streams kGrain weight rows
 
 struct Epilogue {
@@ -129,7 +128,8 @@ at::Tensor few_rows(const at::Tensor& x, const at::Tensor& weight, const std::op
   T* yp = y.data_ptr<T>();
   at::parallel_for(0, N, kGrain, [&](int64_t n0, int64_t n1) {
     if (M == 1) rows<T, 1>(xp, wp, bp, e, yp, K, N, n0, n1);
-    else rows<T, 2>(xp, wp, bp, e, yp, K, N, n0, n1);
+    else if (M == 2) rows<T, 2>(xp, wp, bp, e, yp, K, N, n0, n1);
+    else rows<T, 3>(xp, wp, bp, e, yp, K, N, n0, n1);
   });
   return y;
 }
@@ -138,6 +138,15 @@ using Pointwise = at::Tensor(const at::Tensor&, const at::Tensor&, const std::op
                              c10::List<std::optional<at::Scalar>>, std::optional<c10::string_view>);
 using Binary = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
                           c10::string_view);
+
+// The most rows our kernel takes: past them oneDNN's product is as fast or faster, by
+// measurement (BENCHMARKS.md, session 9); for fp32 on AVX-512 that is from three rows on.
+int64_t max_rows(at::ScalarType dtype) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if (dtype == at::kFloat) return 2;
+#endif
+  return 3;
+}
 
 at::Tensor onednn(const at::Tensor& x, const at::Tensor& packed_weight, const std::optional<at::Tensor>& bias,
                   c10::string_view epilogue, const std::optional<at::Tensor>& other) {
@@ -158,7 +167,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed_weight, const at
   TORCH_CHECK(epilogue == "none" || epilogue == "gelu" || epilogue == "add", "linear: unknown epilogue ", epilogue);
   TORCH_CHECK((epilogue == "add") == (other.has_value() && other->defined()), "linear: `other` goes with \"add\" alone");
   const int64_t K = weight.size(1), N = weight.size(0);
-  const bool few = x.dim() >= 1 && x.size(-1) == K && x.numel() <= kMaxRows * K && x.numel() > 0;
+  const bool few = x.dim() >= 1 && x.size(-1) == K && x.numel() <= max_rows(x.scalar_type()) * K && x.numel() > 0;
   const bool dense = x.is_contiguous() && weight.is_contiguous() && x.scalar_type() == weight.scalar_type() &&
                      (!other || (other->is_contiguous() && other->numel() == x.numel() / K * N &&
                                  other->scalar_type() == x.scalar_type()));
