@@ -47,9 +47,13 @@ class PackedLinear(nn.Module):
         self.register_buffer("weight", weight.detach().contiguous() if few_rows else None, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight is not None:
-            return torch.ops.rayinfer.linear(x, self.packed_weight, self.weight, self.bias)
+        if self.few_rows:
+            return self.with_epilogue(x, "none")
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+
+    def with_epilogue(self, x: torch.Tensor, epilogue: str, other: torch.Tensor | None = None) -> torch.Tensor:
+        """Our op (few_rows only): epilogue(x @ weight.T + bias), "none", "gelu" or "add" of other."""
+        return torch.ops.rayinfer.linear(x, self.packed_weight, self.weight, self.bias, epilogue, other)
 
     @property
     def few_rows(self) -> bool:
@@ -78,14 +82,14 @@ def _linear_output(x: torch.Tensor, packed_weight: torch.Tensor, weight: torch.T
 def linear_gelu(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """gelu(layer(x)), tanh-approximated as GPT-2's."""
     if isinstance(layer, PackedLinear) and layer.few_rows:
-        return torch.ops.rayinfer.linear(x, layer.packed_weight, layer.weight, layer.bias, "gelu")
+        return layer.with_epilogue(x, "gelu")
     return F.gelu(layer(x), approximate="tanh")
 
 
 def linear_add(layer: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
     """residual + layer(x)."""
     if isinstance(layer, PackedLinear) and layer.few_rows:
-        return torch.ops.rayinfer.linear(x, layer.packed_weight, layer.weight, layer.bias, "add", residual)
+        return layer.with_epilogue(x, "add", residual)
     return residual + layer(x)
 
 

@@ -54,6 +54,14 @@ def is_running(pid: int) -> bool:
         return False
 
 
+def replica_process(deployment: str, app: str = "rayinfer") -> psutil.Process:
+    """The one live replica process of `deployment` (Ray names it in its command line)."""
+    replicas = [p for p in psutil.process_iter(["cmdline"])
+                if p.info["cmdline"] and f"ServeReplica:{app}:{deployment}" in p.info["cmdline"][0]]
+    assert len(replicas) == 1, replicas
+    return replicas[0]
+
+
 def wait_for_exit(pids: list[int], timeout_s: float = 20) -> list[int]:
     """The pids still running after timeout_s."""
     deadline = time.monotonic() + timeout_s

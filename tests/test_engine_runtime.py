@@ -8,13 +8,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-import psutil
 import pytest
 
 from deployments.app import AppArgs, build_app, engine_actor_options, engine_deployment_options
 from deployments.engine_runtime import REPLICA_DEFAULTS, engine_env_vars, resolve_library
 from deployments.ingress import ON_REPLICA_LOOP
-from tests.serve_helpers import running_app
+from tests.serve_helpers import replica_process, running_app
 
 ENGINE_ARGS = {"num_kv_blocks": 48, "max_num_seqs": 8, "max_num_batched_tokens": 128}
 
@@ -73,7 +72,7 @@ def preloaded_app(tiny_gpt2_dir: Path) -> Iterator[str]:
 
 @pytest.mark.serve
 def test_the_engine_replica_runs_with_the_configured_environment_and_serves(preloaded_app: str) -> None:
-    replica = _engine_replica()
+    replica = replica_process("EngineDeployment")
     assert replica.environ().get("RAYINFER_TEST_MARK") == "engine-env"
     assert replica.environ()["RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"] == "0"
     tcmalloc = resolve_library("tcmalloc")
@@ -90,17 +89,7 @@ def test_the_engine_replica_runs_with_the_configured_environment_and_serves(prel
 
 @pytest.mark.serve
 def test_the_ingress_replica_runs_its_routes_and_routers_on_its_own_loop(preloaded_app: str) -> None:
-    environ = _replica("Ingress").environ()
+    environ = replica_process("Ingress").environ()
     assert {name: environ.get(name) for name in ON_REPLICA_LOOP} == ON_REPLICA_LOOP
     assert "RAYINFER_TEST_MARK" not in environ  # engine_env is the engine's alone
 
-
-def _engine_replica() -> psutil.Process:
-    return _replica("EngineDeployment")
-
-
-def _replica(deployment: str) -> psutil.Process:
-    replicas = [p for p in psutil.process_iter(["cmdline"])
-                if p.info["cmdline"] and f"ServeReplica:rayinfer:{deployment}" in p.info["cmdline"][0]]
-    assert len(replicas) == 1, replicas
-    return replicas[0]

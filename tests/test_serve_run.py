@@ -9,12 +9,11 @@ import os
 from pathlib import Path
 
 import httpx
-import psutil
 import pytest
 import yaml
 
 from deployments.ingress import ON_REPLICA_LOOP
-from tests.serve_helpers import ROOT, free_port, serve_run
+from tests.serve_helpers import ROOT, free_port, replica_process, serve_run
 
 pytestmark = pytest.mark.serve
 
@@ -41,13 +40,7 @@ def test_serve_run_gpt2_yaml_serves_a_stream_and_shuts_down_cleanly_on_sigint(tm
             payloads = [line.removeprefix("data: ") for line in response.iter_lines() if line]
         assert payloads[-1] == "[DONE]"
         assert json.loads(payloads[-2])["usage"]["completion_tokens"] == 4
-        ingress = _replica_environ("Ingress")  # the config's ray_actor_options kept the code's variables
+        ingress = replica_process("Ingress").environ()  # the config's ray_actor_options kept the code's variables
         assert {name: ingress.get(name) for name in ON_REPLICA_LOOP} == ON_REPLICA_LOOP
         run.stop(timeout_s=60)
 
-
-def _replica_environ(deployment: str) -> dict[str, str]:
-    replicas = [p for p in psutil.process_iter(["cmdline"])
-                if p.info["cmdline"] and f"ServeReplica:rayinfer:{deployment}" in p.info["cmdline"][0]]
-    assert len(replicas) == 1, replicas
-    return replicas[0].environ()
