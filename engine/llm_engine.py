@@ -53,9 +53,11 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         graph = None
+        native_draw = sampler_draw(config)
         if config.decode_compiled:
-            graph = DecodeGraph(model, config.torch_device, decode_attention(config, hf.n_embd // hf.n_head))
-        sampler = Sampler(config.seed, config.torch_device, compiled=graph is not None, native=sampler_draw(config))
+            graph = DecodeGraph(model, config.torch_device, decode_attention(config, hf.n_embd // hf.n_head),
+                                argmax_in_graph=native_draw is None)
+        sampler = Sampler(config.seed, config.torch_device, compiled=graph is not None, native=native_draw)
         self.runner = ModelRunner(model, num_blocks, config.block_size, sampler, config.compile_attention, graph)
         if graph is not None:
             self.runner.decode_graph = self._warm_up(graph)

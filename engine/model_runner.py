@@ -81,7 +81,8 @@ class ModelRunner:
 
     def _forward(self, inputs, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits of the rows `indices` picks; decode-only steps run the compiled graph where
-        there is one, which also gives each row's greedy token (None from the eager path)."""
+        there is one, which also gives each row's greedy token (None from the eager path), and
+        leaves the logits in the model's dtype (float32 from the eager path)."""
         input_ids, positions, _, meta = inputs
         if self.decode_graph is None or meta.prefill is not None:
             return self.model(*inputs, logits_indices=indices), None
@@ -89,7 +90,7 @@ class ModelRunner:
                                            meta.slot_mapping)
         if len(indices) == len(input_ids):
             return logits, greedy
-        return logits[indices], greedy[indices]
+        return logits[indices], None if greedy is None else greedy[indices]
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor, greedy: torch.Tensor | None) -> ModelOutput:
         if not seqs:
@@ -99,7 +100,7 @@ class ModelRunner:
         logprobs: list[TokenLogprob | None] = [None] * len(seqs)
         if rows:
             index = self._tensor(rows)
-            computed = token_logprobs(logits[index], tokens[index], [seqs[row].params.logprobs for row in rows])
+            computed = token_logprobs(logits[index].float(), tokens[index], [seqs[row].params.logprobs for row in rows])
             for row, logprob in zip(rows, computed):
                 logprobs[row] = logprob
         return ModelOutput(seqs, tokens.tolist(), logprobs)

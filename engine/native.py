@@ -1,6 +1,8 @@
 """Our C++ kernels (engine/csrc/*.cpp), built for this CPU's vector ISA the first time an
 engine asks for them and loaded as ops under `torch.ops.rayinfer`: `decode_attention`
-(engine/native_attention.py) and the sampler's `draw` (engine/sampler.py).
+(engine/native_attention.py), the decode graph's KV write `write_kv` (engine/decode_graph.py),
+the sampler's `draw` and `argmax` (engine/sampler.py) and the small-batch `linear`
+(engine/packed_linear.py).
 
 The build needs a C++ compiler and ninja (torch.utils.cpp_extension), as inductor needs the
 compiler; it is cached under ~/.cache/torch_extensions, keyed by the sources and flags, so

@@ -16,6 +16,7 @@ in the batch.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -67,14 +68,16 @@ Draw = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, 
 class Sampler:
     def __init__(self, seed: int, device: torch.device, compiled: bool = False, native: Draw | None = None):
         """compiled: `draw` through torch.compile (compile_decode); warm_up compiles it.
-        native: our C++ draw (torch.ops.rayinfer.draw), in place of either."""
+        native: our C++ draw (torch.ops.rayinfer.draw), in place of either; with it, greedy
+        rows take our argmax too, and neither needs float32 logits."""
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.native = native
         self.is_compiled = compiled and native is None
         if native is not None:
-            self._draw = native
+            self._draw, self._argmax = native, torch.ops.rayinfer.argmax
         else:
             self._draw = compile_for(device, draw, dynamic=True) if compiled else draw
+            self._argmax = functools.partial(torch.argmax, dim=-1)
 
     @torch.inference_mode()
     def warm_up(self, vocab_size: int) -> None:
@@ -87,16 +90,20 @@ class Sampler:
     # them (the model, the controls, the filters), and dynamo, which guards on that, keeps one graph.
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch, greedy: torch.Tensor | None = None) -> torch.Tensor:
-        """logits: float32 [S, V] -> token ids [S]. Never changes logits in place. `greedy`:
-        each row's argmax where the caller has it already (the compiled decode graph's)."""
+        """logits [S, V] (float32, or the model's dtype: converted here where read) -> token
+        ids [S]. Never changes logits in place. `greedy`: each row's argmax where the caller
+        has it already (the compiled decode graph's)."""
         if batch.controls is not None:
-            logits = batch.controls.apply(logits)
+            logits = batch.controls.apply(logits.float())
             greedy = None  # the controls may have moved it
         if batch.all_greedy:
-            return logits.argmax(dim=-1) if greedy is None else greedy
+            return self._argmax(logits) if greedy is None else greedy
         is_greedy = batch.temperatures == 0
         temperatures = torch.where(is_greedy, 1.0, batch.temperatures)
-        if batch.min_ps is not None or batch.needs_filter:  # filters see the scaled logits
+        filters = batch.min_ps is not None or batch.needs_filter
+        if self.native is None or filters:  # our draw reads the model's dtype; torch's and the filters want float32
+            logits = logits.float()
+        if filters:  # filters see the scaled logits
             logits, temperatures = logits / temperatures.unsqueeze(1), torch.ones_like(temperatures)
             if batch.min_ps is not None:
                 logits = _filter_min_p(logits, batch.min_ps)

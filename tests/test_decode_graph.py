@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, EngineConfig, SamplingParams, native_attention
+from engine import LLM, EngineConfig, SamplingParams, native, native_attention
 from engine.attention import decode_attention_with_own
 from engine.cpu import cpu_features
-from engine.decode_graph import DecodeGraph
+from engine.decode_graph import DecodeGraph, write_new_kv
 from tests.engine_helpers import mixed_prompts
 
 GREEDY_TOP5 = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=5)
@@ -47,6 +47,7 @@ def compare(model_dir, dtype: str, reference_linears: str, atol: float, fast_lin
     compiled_at_start = num_compiled_graphs()
     expected = decode_attention_with_own if attention == "torch" else torch.ops.rayinfer.decode_attention
     assert fast.engine.runner.decode_graph.attention is expected
+    assert fast.engine.runner.decode_graph.native_write is (attention != "torch")  # the pool's write: ours with ours
     # The graph, and the sampler's draw unless an earlier test in this process compiled it
     # (dynamo caches it per function), compiled during construction ...
     assert compiled_at_start - before in (1, 2)
@@ -63,6 +64,21 @@ def compare(model_dir, dtype: str, reference_linears: str, atol: float, fast_lin
     assert fast.engine.runner.decode_graph.num_steps >= 2 * 15 + 15 + 7  # every decode-only step took the graph
     assert num_compiled_graphs() == compiled_at_start  # and none compiled anything new
     fast.engine.check_integrity()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_our_kv_write_is_index_copy(dtype: torch.dtype):
+    native.load()
+    generator = torch.Generator().manual_seed(0)
+    pool = torch.randn(2, 2, 3, 5, 4, 8, generator=generator).to(dtype)  # [layers, k/v, H, blocks, block_size, D]
+    new_kv = torch.randn(2 * 2 * 3, 4, 8, generator=generator).to(dtype)
+    slots = torch.tensor([19, 0, 7, 8])  # the last slot, the first, two in one block
+    expected = pool.clone()
+    write_new_kv(expected, new_kv, slots, native=False)
+    write_new_kv(pool, new_kv[:, :4], slots, native=True)
+    assert torch.equal(pool, expected)
+    with pytest.raises(RuntimeError, match="slot 20 outside the pool's 20"):
+        write_new_kv(pool, new_kv, torch.tensor([1, 2, 3, 20]), native=True)
 
 
 def test_compiled_decode_matches_the_reference_path_in_fp32(tiny_gpt2_dir):

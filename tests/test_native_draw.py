@@ -1,7 +1,8 @@
 """The sampler's C++ draw (engine/csrc/sampling.cpp): each row's argmax as torch.argmax
 gives it, and the token torch's inverse-CDF draw picks at the same uniform, on vocabularies
-that end inside a vector and inside a chunk; never a token without mass; chosen by the
-engine's `sampler` option, with torch's draw where the kernel cannot build."""
+that end inside a vector and inside a chunk, from float32 logits and from the model's bf16
+or fp16 ones as from their float32 copy; never a token without mass; chosen by the engine's
+`sampler` option, with torch's draw where the kernel cannot build."""
 
 from __future__ import annotations
 
@@ -60,9 +61,31 @@ def test_a_near_zero_temperature_draws_the_argmax(kernel):
     assert torch.equal(drawn, argmax)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("vocab", [7, 50257])
+def test_the_kernel_reads_reduced_precision_logits_as_their_float32_copy(kernel, dtype: torch.dtype, vocab: int):
+    """The decode graph hands its logits over in the model's dtype: the same tokens as from
+    the float32 copy, which a row ending inside a vector exercises too."""
+    generator = torch.Generator().manual_seed(vocab)
+    logits = (torch.randn(12, vocab, generator=generator) * 3).to(dtype)
+    temperatures, uniforms = torch.rand(12, generator=generator) + 0.2, torch.rand(12, 1, generator=generator)
+    argmax, drawn = kernel(logits, temperatures, uniforms)
+    expected_argmax, expected = kernel(logits.float(), temperatures, uniforms)
+    assert torch.equal(argmax, expected_argmax) and torch.equal(drawn, expected)
+    assert torch.equal(torch.ops.rayinfer.argmax(logits), logits.float().argmax(dim=-1))
+
+
+def test_argmax_alone_is_torchs(kernel):
+    logits = torch.randn(9, 1000, generator=torch.Generator().manual_seed(3))
+    logits[4, [10, 900]] = 50.0  # equal maxima: the first
+    assert torch.equal(torch.ops.rayinfer.argmax(logits), logits.argmax(dim=-1))
+    with pytest.raises(RuntimeError, match="float32, bf16 or fp16"):
+        torch.ops.rayinfer.argmax(torch.zeros(2, 10, dtype=torch.float64))
+
+
 def test_the_kernel_rejects_what_it_cannot_run(kernel):
-    with pytest.raises(RuntimeError, match="float32"):
-        kernel(torch.zeros(2, 10, dtype=torch.bfloat16), torch.ones(2), torch.zeros(2, 1))
+    with pytest.raises(RuntimeError, match="float32, bf16 or fp16"):
+        kernel(torch.zeros(2, 10, dtype=torch.float64), torch.ones(2), torch.zeros(2, 1))
     with pytest.raises(RuntimeError, match="contiguous rows"):
         kernel(torch.zeros(10, 2).t(), torch.ones(2), torch.zeros(2, 1))
     with pytest.raises(RuntimeError, match="one temperature and one uniform per row"):

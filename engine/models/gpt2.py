@@ -73,18 +73,18 @@ class GPT2LMHead(nn.Module):
         h = self.wte(input_ids) + self.wpe(positions)
         for block, kv_cache in zip(self.h, kv_caches):
             h = block(h, kv_cache, meta)
-        return self._logits(self.ln_f(h[logits_indices]))
+        return self._logits(self.ln_f(h[logits_indices])).float()
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(h, self.wte.weight) if self.lm_head is None else self.lm_head(h)
-        return logits.float()
+        """In the model's dtype."""
+        return F.linear(h, self.wte.weight) if self.lm_head is None else self.lm_head(h)
 
     def decode(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                block_tables: torch.Tensor, attention: DecodeAttention = decode_attention_with_own,
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """A decode-only step as one pure function (what engine/decode_graph.py compiles): one
-        token per sequence at `positions` (its number of cached tokens) in; float32 logits
-        [B, vocab] and every layer's k, v [n_layer, B, H, D], still to be written, out.
+        token per sequence at `positions` (its number of cached tokens) in; logits [B, vocab]
+        in the model's dtype and every layer's k, v [n_layer, B, H, D], still to be written, out.
         `attention` is decode_attention_with_own or its C++ kernel (engine/native_attention.py)."""
         h = self.wte(input_ids) + self.wpe(positions)
         new_keys, new_values = [], []
