@@ -9,11 +9,10 @@ share, or nn.Linear (`linears: reference`), which inductor packs itself.
 The graph is pure: it takes the runner's one KV pool, returns every layer's new k, v already
 in the pool's head-major order, and one copy writes them all after it (a write per layer and
 pool costs more in dispatch than in bytes): our C++ one where our attention kernel runs,
-index_copy_ otherwise, which copies on one thread (0.3 against 0.07 ms for 32 rows). So the compiled code never copies or
+index_copy_, which copies on one thread, otherwise. So the compiled code never copies or
 mutates the pool, and a warm-up call leaves no trace. Its logits stay in the model's dtype:
-converting a bf16 batch's to float32 in the graph took 0.9 ms of a 32-row step, where our
-C++ sampler reads bf16 as it is (BENCHMARKS.md, session 10); what else reads them converts
-the rows it reads. Where the sampler is torch's, the graph also returns each row's greedy
+converting a bf16 batch's to float32 in the graph cost more than our C++ sampler's reading
+bf16 as it is (BENCHMARKS.md, session 10); what else reads them converts the rows it reads. Where the sampler is torch's, the graph also returns each row's greedy
 token (`argmax_in_graph`), as ATen's argmax over the vocabulary is a slow, unvectorised pass.
 
 One graph for every step: batch and block-table width are dynamic, and padded to at least
