@@ -36,12 +36,16 @@ class ArrivalLoads:
 
 
 def arrival_loads(logs: Mapping[str, Sequence[LoadEvent]], eps: float, settle_s: float = 0.05,
-                  decode_token_cost: float | None = None) -> ArrivalLoads:
+                  decode_token_cost: float | None = None, completion_lag_s: float = 0.0) -> ArrivalLoads:
     """logs: each replica's events, wall-clock timed on one machine (so they merge).
     Requests routed at the same moment reach their replicas in any order within a few
     milliseconds, so a breach counts as lasting only if the replica is still over the
-    bound settle_s later. decode_token_cost: load in work (see above), else in requests."""
-    times, events, states = _timeline(logs, decode_token_cost)
+    bound settle_s later. decode_token_cost: load in work (see above), else in requests.
+    completion_lag_s: judge loads as a router knows them, hearing of each request's end
+    this much after its replica counted it (Serve reports a completion when the stream's
+    end reaches the caller's loop), so that a replica finishing early does not count as a
+    breach of a choice made before the router could know."""
+    times, events, states = _timeline(logs, decode_token_cost, completion_lag_s)
     num_over = num_lasting = 0
     busiest_sum = mean_sum = 0.0
     arrivals = [i for i, (_, event) in enumerate(events) if event.delta > 0]
@@ -57,20 +61,22 @@ def arrival_loads(logs: Mapping[str, Sequence[LoadEvent]], eps: float, settle_s:
     return ArrivalLoads(len(arrivals), num_over, num_lasting, busiest_sum / max(mean_sum, 1e-9))
 
 
-def _timeline(logs: Mapping[str, Sequence[LoadEvent]],
-              decode_token_cost: float | None) -> tuple[list[float], list[tuple[str, LoadEvent]], list[dict]]:
-    """Every event in time order, its replica, and every replica's load after it."""
-    events = sorted(((LoadEvent(*event), replica_id) for replica_id, log in logs.items() for event in log),
-                    key=lambda pair: pair[0].time)
+def _timeline(logs: Mapping[str, Sequence[LoadEvent]], decode_token_cost: float | None,
+              completion_lag_s: float = 0.0) -> tuple[list[float], list[tuple[str, LoadEvent]], list[dict]]:
+    """Every event in time order (a departure completion_lag_s late), its replica, and
+    every replica's load after it."""
+    events = sorted(((_seen(LoadEvent(*event), completion_lag_s), replica_id)
+                     for replica_id, log in logs.items() for event in log), key=lambda pair: pair[0].time)
     current = dict.fromkeys(logs, 0.0)
     states = []
     for event, replica_id in events:
-        if decode_token_cost is None:
-            current[replica_id] = event.num_open
-        else:
-            current[replica_id] += event.delta * _work(event, decode_token_cost)
+        current[replica_id] += event.delta * (1.0 if decode_token_cost is None else _work(event, decode_token_cost))
         states.append(dict(current))
     return [e.time for e, _ in events], [(r, e) for e, r in events], states
+
+
+def _seen(event: LoadEvent, completion_lag_s: float) -> LoadEvent:
+    return event._replace(time=event.time + completion_lag_s) if event.delta < 0 else event
 
 
 def _work(event: LoadEvent, decode_token_cost: float) -> float:

@@ -125,6 +125,18 @@ def test_arrival_loads_count_the_placements_past_the_bound_from_the_replicas_log
     assert loads.busiest_over_mean == (1 + 2 + 2 + 3) / (0.5 + 1 + 1.5 + 2)
 
 
+def test_arrival_loads_judge_a_departure_as_the_router_hears_of_it_completion_lag_late():
+    # b's two requests end at t=1.01; a's 4th arrives at t=1.02. Counted at once, a holds 4
+    # of 4 (mean 2, bound 3: over); counted 0.1 s late, as the router can know it, a holds 4
+    # of 6 (mean 3, bound 4.5: within). A breach after the lag still counts.
+    logs = {"a": [(1.0, 1, 1), (1.001, 2, 1), (1.002, 3, 1), (1.02, 4, 1), (1.5, 5, 1)],
+            "b": [(1.0005, 1, 1), (1.0015, 2, 1), (1.01, 1, -1), (1.01, 0, -1)]}
+    at_once = arrival_loads(logs, eps=0.5)
+    lagged = arrival_loads(logs, eps=0.5, completion_lag_s=0.1)
+    assert (at_once.num_over_bound, at_once.num_over_bound_lasting) == (2, 2)  # t=1.02 and t=1.5
+    assert (lagged.num_over_bound, lagged.num_over_bound_lasting) == (1, 1)  # t=1.5 only
+
+
 def test_a_prompt_no_replica_holds_goes_where_the_load_is_even_not_past_its_home():
     """No shared prefix (or one not seen yet): affinity buys nothing, so the bound is the
     even split. Home at 4 of 7 would be within 1.5 x the mean; it goes to the other."""

@@ -134,8 +134,11 @@ def test_a_burst_on_one_prefix_spills_to_its_second_choice_within_the_bound(serv
     assert counts[order[1]] >= 1, counts  # the load bound sent some to the second choice
     assert counts[order[0]] >= counts[order[1]], counts  # and affinity kept the most at home
     # As the replicas saw it: no arrival left its replica past (1 + EPS) x the mean load
-    # (beyond the few milliseconds in which requests routed at once arrive in any order).
-    loads = arrival_loads(read_load_logs(load_log_dir, started, replica_ids), EPS)
+    # (beyond the few milliseconds in which requests routed at once arrive in any order),
+    # each request counted until the router can have heard of its end: the replica with
+    # fewer streams finishes some while the burst is still arriving, and on a loaded 2-core
+    # machine Serve's completion report reaches the router tens of milliseconds later.
+    loads = arrival_loads(read_load_logs(load_log_dir, started, replica_ids), EPS, completion_lag_s=0.1)
     assert (loads.num_arrivals, loads.num_over_bound_lasting) == (24, 0), loads
     at_least = lambda n: lambda v: v >= n  # noqa: E731
     scrape_until(metrics_url, {
