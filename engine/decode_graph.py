@@ -12,8 +12,9 @@ pool costs more in dispatch than in bytes): our C++ one where our attention kern
 index_copy_, which copies on one thread, otherwise. So the compiled code never copies or
 mutates the pool, and a warm-up call leaves no trace. Its logits stay in the model's dtype:
 converting a bf16 batch's to float32 in the graph cost more than our C++ sampler's reading
-bf16 as it is (BENCHMARKS.md, session 10); what else reads them converts the rows it reads. Where the sampler is torch's, the graph also returns each row's greedy
-token (`argmax_in_graph`), as ATen's argmax over the vocabulary is a slow, unvectorised pass.
+bf16 as it is (BENCHMARKS.md, session 10); what else reads them converts the rows it reads.
+Where the sampler is torch's, the graph also returns each row's greedy token
+(`argmax_in_graph`), as ATen's argmax over the vocabulary is a slow, unvectorised pass.
 
 One graph for every step: batch and block-table width are dynamic, and padded to at least
 2, because dynamo specialises a size of 1 into a graph of its own (four graphs, each

@@ -64,10 +64,13 @@ def arrival_loads(logs: Mapping[str, Sequence[LoadEvent]], eps: float, settle_s:
 def _timeline(logs: Mapping[str, Sequence[LoadEvent]], decode_token_cost: float | None,
               completion_lag_s: float = 0.0) -> tuple[list[float], list[tuple[str, LoadEvent]], list[dict]]:
     """Every event in time order (a departure completion_lag_s late), its replica, and
-    every replica's load after it."""
-    events = sorted(((_seen(LoadEvent(*event), completion_lag_s), replica_id)
-                     for replica_id, log in logs.items() for event in log), key=lambda pair: pair[0].time)
-    current = dict.fromkeys(logs, 0.0)
+    every replica's load after it. In requests, a replica starts from the requests it held
+    before its first event (a log read from `since` may begin mid-request); in work, from 0."""
+    logs = {replica_id: [LoadEvent(*event) for event in log] for replica_id, log in logs.items()}
+    events = sorted(((_seen(event, completion_lag_s), replica_id) for replica_id, log in logs.items() for event in log),
+                    key=lambda pair: pair[0].time)
+    current = {replica_id: float(log[0].num_open - log[0].delta) if log and decode_token_cost is None else 0.0
+               for replica_id, log in logs.items()}
     states = []
     for event, replica_id in events:
         current[replica_id] += event.delta * (1.0 if decode_token_cost is None else _work(event, decode_token_cost))

@@ -137,6 +137,15 @@ def test_arrival_loads_judge_a_departure_as_the_router_hears_of_it_completion_la
     assert (lagged.num_over_bound, lagged.num_over_bound_lasting) == (1, 1)  # t=1.5 only
 
 
+def test_arrival_loads_count_the_requests_a_log_read_mid_request_began_with():
+    # Read from `since`, a's log starts at its 3rd open request: it held 2 before. With them,
+    # b's arrival leaves b at 1 of 4 (fine) and a's next leaves a at 4 of 5 (mean 2.5: over).
+    logs = {"a": [(1.0, 3, 1), (1.2, 4, 1)], "b": [(1.1, 1, 1)]}
+    loads = arrival_loads(logs, eps=0.25, completion_lag_s=0.1)
+    assert (loads.num_arrivals, loads.num_over_bound) == (3, 2)  # a's 3rd (3 of 3) and 4th
+    assert loads.busiest_over_mean == (3 + 3 + 4) / (1.5 + 2 + 2.5)
+
+
 def test_a_prompt_no_replica_holds_goes_where_the_load_is_even_not_past_its_home():
     """No shared prefix (or one not seen yet): affinity buys nothing, so the bound is the
     even split. Home at 4 of 7 would be within 1.5 x the mean; it goes to the other."""
