@@ -12,8 +12,11 @@ RAYINFER_CPU_ISA=avx2 builds (and runs) the AVX2 kernels on an AVX-512 machine t
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -45,7 +48,24 @@ def load():
     from torch.utils import cpp_extension
 
     isa = isa_build()
-    cpp_extension.load(name=f"rayinfer_kernels_{isa}", sources=[str(s) for s in SOURCES],
-                       extra_cflags=["-O3", "-fopenmp", *_ISA_FLAGS[isa]], is_python_module=False)
+    name = f"rayinfer_kernels_{isa}"
+    with _build_lock(Path(cpp_extension._get_build_directory(name, verbose=False))):
+        cpp_extension.load(name=name, sources=[str(s) for s in SOURCES],
+                           extra_cflags=["-O3", "-fopenmp", *_ISA_FLAGS[isa]], is_python_module=False)
     logger.info("our C++ kernels: built for %s", isa)
     return torch.ops.rayinfer
+
+
+@contextlib.contextmanager
+def _build_lock(build_dir: Path) -> Iterator[None]:
+    """Serialise our processes' builds on a lock the kernel drops with its holder, and clear
+    the one torch leaves behind a build that was killed: torch's lock is a bare file, so a
+    build killed mid-compile (a stopped replica, a timed-out test) left every later engine on
+    this machine waiting for it forever. Under our lock no live process of ours is building."""
+    with open(build_dir / "rayinfer.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        stale = build_dir / "lock"
+        if stale.exists():
+            logger.warning("removing %s, left by a kernel build that was killed", stale)
+            stale.unlink()
+        yield

@@ -1,0 +1,32 @@
+"""Building our C++ kernels (engine/native.py) survives a build that was killed: torch's
+build lock is a bare file, which a killed build leaves behind, and a later process must
+clear it rather than wait on it forever (it did: CI hung an hour on one)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from torch.utils import cpp_extension
+
+from engine import native
+
+_LOAD = ("import logging; logging.basicConfig(level=logging.INFO); "
+         "from engine import native; native.load(); print('loaded')")
+
+
+def test_a_lock_left_by_a_killed_build_does_not_stop_the_next_load():
+    native.load()  # so the next process only loads the build
+    build_dir = Path(cpp_extension._get_build_directory(f"rayinfer_kernels_{native.isa_build()}",
+                                                        verbose=False))
+    stale = build_dir / "lock"
+    stale.touch()
+    try:
+        done = subprocess.run([sys.executable, "-c", _LOAD], capture_output=True, text=True,
+                              timeout=300, cwd=Path(__file__).parent.parent)
+    finally:
+        stale.unlink(missing_ok=True)  # never leave the suite's later builds waiting on it
+    assert done.returncode == 0, done.stderr
+    assert "loaded" in done.stdout
+    assert "left by a kernel build that was killed" in done.stderr
