@@ -12,6 +12,10 @@ built them) on inputs of the step's row counts: one prefill of every prompt, the
 max_tokens - 1 decode steps of num_requests rows. It is the time no scheduling, attention,
 layer norm or sampling could go below. `compile_decode`'s graph runs the engine's own
 linears too. Each engine's construction time (compile_decode compiles in it) is printed.
+
+The engine and HF `generate` run `--repeats` times each, alternating, and each row is the
+median run, with every run's figure beside it: on a shared 2-core machine one run of
+either can be 10% off.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import statistics
 import time
 
 import torch
+from transformers import GPT2LMHeadModel
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
@@ -70,10 +75,20 @@ def matmuls_alone(model: GPT2LMHead, num: int, prompt_len: int, max_tokens: int)
     return Result("matmuls alone (ceiling)", num * max_tokens, seconds)
 
 
-def hf_static(config: EngineConfig, prompts: list[list[int]], max_tokens: int) -> Result:
+def hf_static(config: EngineConfig, prompts: list[list[int]]) -> GPT2LMHeadModel:
+    """HF's model on the engine's weights, warmed up."""
     model = hf_model(config)
-    run_hf(model, prompts[:4], 4)  # warm-up
-    return run_hf(model, prompts, max_tokens)
+    run_hf(model, prompts[:4], 4)
+    return model
+
+
+def median_run(runs: list[Result]) -> Result:
+    """The median run (by time), named with every run's tokens/s."""
+    median = sorted(runs, key=lambda r: r.seconds)[len(runs) // 2]
+    if len(runs) == 1:
+        return median
+    figures = ", ".join(f"{r.tokens_per_s:.0f}" for r in runs)
+    return Result(f"{median.name} (median of {figures})", median.num_tokens, median.seconds)
 
 
 def variants(args: argparse.Namespace) -> list[tuple[str, dict]]:
@@ -109,8 +124,9 @@ def main() -> None:
     parser.add_argument("--compiled-only", action="store_true", help="with --compile-decode: leave out the eager engine rows")
     parser.add_argument("--decode-attention", nargs="+", default=["auto"],
                         help="the compiled graph's attention, one engine row each: auto, native, torch")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each engine and of HF, alternating")
     args = parser.parse_args()
-    rows, steps = [], []
+    rows, steps, hf, hf_runs = [], [], None, []
     for label, fields in variants(args):
         config = EngineConfig(model=args.model, weights="random", dtype=args.dtype, device="cpu", **fields)
         start = time.perf_counter()
@@ -118,18 +134,23 @@ def main() -> None:
         print(f"engine, {label}: constructed in {time.perf_counter() - start:.1f} s", flush=True)
         prompts = make_prompts(args.num_requests, args.prompt_len, engine.model_info.vocab_size)
         warm_up(engine, prompts)
-        rows.append(run_engine(engine, prompts, args.max_tokens, f"engine, {label}"))
+        hf = hf or hf_static(config, prompts)
+        engine_runs = []
+        for _ in range(args.repeats):
+            engine_runs.append(run_engine(engine, prompts, args.max_tokens, f"engine, {label}"))
+            hf_runs.append(run_hf(hf, prompts, args.max_tokens))
+        rows.append(median_run(engine_runs))
         model = engine.runner.model
         rows.append(matmuls_alone(model, args.num_requests, args.prompt_len, args.max_tokens))
         rows[-1].name += f", {label}"
         steps.append((label, decode_step_ms(engine, prompts, 16), linears_ms(model, args.num_requests, repeats=9),
                       decode_ms_per_token(engine, prompts[0], args.max_tokens), linears_ms(model, 1, repeats=9)))
-    rows.append(hf_static(config, prompts, args.max_tokens))
+    rows.append(median_run(hf_runs))
     print(f"model={args.model} dtype={config.torch_dtype} threads={torch.get_num_threads()} "
           f"requests={args.num_requests} prompt_len={args.prompt_len} max_tokens={args.max_tokens}")
     hf = rows[-1].tokens_per_s
     for r in rows:
-        print(f"{r.name:44s} {r.num_tokens:6d} tokens in {r.seconds:6.2f} s = {r.tokens_per_s:7.1f} tok/s "
+        print(f"{r.name:60s} {r.num_tokens:6d} tokens in {r.seconds:6.2f} s = {r.tokens_per_s:7.1f} tok/s "
               f"({r.tokens_per_s / hf:.2f}x HF)")
     for label, step, mm, single, single_mm in steps:
         print(f"{label}: decode step of {args.num_requests} {step:.1f} ms, its matmuls alone {mm:.1f} ms, "

@@ -23,6 +23,8 @@ from starlette.responses import StreamingResponse
 from starlette.routing import Route
 
 from loadtest import bench
+from loadtest.ceiling import median_run
+from loadtest.engine_bench import Result
 from loadtest.headless import run_locust
 from loadtest.http_target import BenchConfig, Target, request_body, run_benchmark
 from loadtest.offline_target import OfflineTarget, run_offline
@@ -434,3 +436,11 @@ def test_the_offline_target_runs_the_workload_on_an_in_process_engine(tiny_gpt2_
     assert result.total_output_tokens == 4 * 5
     assert (result.label, result.url) == ("offline engine", "in-process")
     assert result.ttft_ms.p50 > 0 and result.tpot_ms.p50 > 0
+
+
+def test_the_ceiling_reports_the_median_run_with_every_runs_figure():
+    runs = [Result("engine", 100, 1.0), Result("engine", 100, 0.5), Result("engine", 100, 2.0)]
+    median = median_run(runs)
+    assert median.seconds == 1.0
+    assert median.name == "engine (median of 100, 200, 50)"
+    assert median_run(runs[:1]) is runs[0]
