@@ -111,7 +111,7 @@ def warm_up(engine: LLMEngine, prompts: list[list[int]]) -> None:
         run_engine(engine, prompts[:1], 20, "warm-up")
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="gpt2")
     parser.add_argument("--dtype", default="auto")
@@ -125,7 +125,11 @@ def main() -> None:
     parser.add_argument("--decode-attention", nargs="+", default=["auto"],
                         help="the compiled graph's attention, one engine row each: auto, native, torch")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each engine and of HF, alternating")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     rows, steps, hf, hf_runs = [], [], None, []
     for label, fields in variants(args):
         config = EngineConfig(model=args.model, weights="random", dtype=args.dtype, device="cpu", **fields)
@@ -146,6 +150,10 @@ def main() -> None:
         steps.append((label, decode_step_ms(engine, prompts, 16), linears_ms(model, args.num_requests, repeats=9),
                       decode_ms_per_token(engine, prompts[0], args.max_tokens), linears_ms(model, 1, repeats=9)))
     rows.append(median_run(hf_runs))
+    report(args, config, rows, steps)
+
+
+def report(args: argparse.Namespace, config: EngineConfig, rows: list[Result], steps: list[tuple]) -> None:
     print(f"model={args.model} dtype={config.torch_dtype} threads={torch.get_num_threads()} "
           f"requests={args.num_requests} prompt_len={args.prompt_len} max_tokens={args.max_tokens}")
     hf = rows[-1].tokens_per_s
@@ -155,7 +163,6 @@ def main() -> None:
     for label, step, mm, single, single_mm in steps:
         print(f"{label}: decode step of {args.num_requests} {step:.1f} ms, its matmuls alone {mm:.1f} ms, "
               f"ratio {step / mm:.2f}; one sequence {single:.2f} ms/token, its matmuls {single_mm:.2f} ms")
-
 
 if __name__ == "__main__":
     main()
