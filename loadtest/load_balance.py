@@ -5,7 +5,7 @@ bounds it, not averaged over a run's ramp-up and drain where no routing happens.
     over bound          arrivals that left their replica above (1 + eps) x the mean load
                         (every replica's open requests, this one included), where a whole
                         number of requests could have stayed within it: a router's breach;
-                        "lasting" if still over settle_s later
+                        "lasting" if still over with the next settle_s's arrivals in
     busiest / mean      the busiest replica's load over the mean load, summed over arrivals
 
 Load is open requests, or, given a decode_token_cost, open work as the router's work bound
@@ -31,7 +31,7 @@ from deployments.prefix_routing import request_work
 class ArrivalLoads:
     num_arrivals: int
     num_over_bound: int  # at the arrival itself
-    num_over_bound_lasting: int  # and still over settle_s later
+    num_over_bound_lasting: int  # and still over with the next settle_s's arrivals in
     busiest_over_mean: float
 
 
@@ -40,7 +40,10 @@ def arrival_loads(logs: Mapping[str, Sequence[LoadEvent]], eps: float, settle_s:
     """logs: each replica's events, wall-clock timed on one machine (so they merge).
     Requests routed at the same moment reach their replicas in any order within a few
     milliseconds, so a breach counts as lasting only if the replica is still over the
-    bound settle_s later. decode_token_cost: load in work (see above), else in requests.
+    bound once the next settle_s's arrivals are counted too; that window's departures are
+    not: they reach the router after the choice, which could not know of them (a replica
+    that finishes early lowers the mean after the fact). decode_token_cost: load in work
+    (see above), else in requests.
     completion_lag_s: judge loads as a router knows them, hearing of each request's end
     this much after its replica counted it (Serve reports a completion when the stream's
     end reaches the caller's loop), so that a replica finishing early does not count as a
@@ -52,7 +55,8 @@ def arrival_loads(logs: Mapping[str, Sequence[LoadEvent]], eps: float, settle_s:
     for i in arrivals:
         replica_id, event = events[i]
         slack = 1.0 if decode_token_cost is None else _miss_work(event, decode_token_cost)
-        later = states[bisect.bisect_right(times, times[i] + settle_s) - 1]
+        later = _with_arrivals(states[i], events[i + 1:bisect.bisect_right(times, times[i] + settle_s)],
+                               decode_token_cost)
         is_over = _is_over(states[i], replica_id, eps, slack, decode_token_cost is None)
         num_over += is_over
         num_lasting += is_over and _is_over(later, replica_id, eps, slack, decode_token_cost is None)
@@ -76,6 +80,16 @@ def _timeline(logs: Mapping[str, Sequence[LoadEvent]], decode_token_cost: float 
         current[replica_id] += event.delta * (1.0 if decode_token_cost is None else _work(event, decode_token_cost))
         states.append(dict(current))
     return [e.time for e, _ in events], [(r, e) for e, r in events], states
+
+
+def _with_arrivals(loads: Mapping[str, float], events: Sequence[tuple[str, LoadEvent]],
+                   decode_token_cost: float | None) -> dict[str, float]:
+    """loads with the arrivals among events added, their departures left out."""
+    loads = dict(loads)
+    for replica_id, event in events:
+        if event.delta > 0:
+            loads[replica_id] += 1.0 if decode_token_cost is None else _work(event, decode_token_cost)
+    return loads
 
 
 def _seen(event: LoadEvent, completion_lag_s: float) -> LoadEvent:

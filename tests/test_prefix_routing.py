@@ -137,6 +137,16 @@ def test_arrival_loads_judge_a_departure_as_the_router_hears_of_it_completion_la
     assert (lagged.num_over_bound, lagged.num_over_bound_lasting) == (1, 1)  # t=1.5 only
 
 
+def test_arrival_loads_judge_a_lasting_breach_by_the_arrivals_that_follow_not_the_departures():
+    # Two requests routed at once reach a first (t=1.001: a holds 2 of 2, over) and then b
+    # (t=1.002: 2 of 3, within): no lasting breach, though b's request ends at t=1.01, inside
+    # the settle window: that came after the choice, which could not foresee it. At t=2, a
+    # takes a 3rd while b holds none (3 of 3): over, and nothing that arrives after helps.
+    logs = {"a": [(1.0, 1, 1), (1.001, 2, 1), (2.0, 3, 1)], "b": [(1.002, 1, 1), (1.01, 0, -1)]}
+    loads = arrival_loads(logs, eps=0.5)
+    assert (loads.num_arrivals, loads.num_over_bound, loads.num_over_bound_lasting) == (4, 2, 1)
+
+
 def test_arrival_loads_count_the_requests_a_log_read_mid_request_began_with():
     # Read from `since`, a's log starts at its 3rd open request: it held 2 before. With them,
     # b's arrival leaves b at 1 of 4 (fine) and a's next leaves a at 4 of 5 (mean 2.5: over).
