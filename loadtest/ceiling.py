@@ -164,5 +164,6 @@ def report(args: argparse.Namespace, config: EngineConfig, rows: list[Result], s
         print(f"{label}: decode step of {args.num_requests} {step:.1f} ms, its matmuls alone {mm:.1f} ms, "
               f"ratio {step / mm:.2f}; one sequence {single:.2f} ms/token, its matmuls {single_mm:.2f} ms")
 
+
 if __name__ == "__main__":
     main()

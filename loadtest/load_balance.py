@@ -77,7 +77,7 @@ def _timeline(logs: Mapping[str, Sequence[LoadEvent]], decode_token_cost: float 
                for replica_id, log in logs.items()}
     states = []
     for event, replica_id in events:
-        current[replica_id] += event.delta * (1.0 if decode_token_cost is None else _work(event, decode_token_cost))
+        current[replica_id] += event.delta * _weight(event, decode_token_cost)
         states.append(dict(current))
     return [e.time for e, _ in events], [(r, e) for e, r in events], states
 
@@ -88,12 +88,17 @@ def _with_arrivals(loads: Mapping[str, float], events: Sequence[tuple[str, LoadE
     loads = dict(loads)
     for replica_id, event in events:
         if event.delta > 0:
-            loads[replica_id] += 1.0 if decode_token_cost is None else _work(event, decode_token_cost)
+            loads[replica_id] += _weight(event, decode_token_cost)
     return loads
 
 
 def _seen(event: LoadEvent, completion_lag_s: float) -> LoadEvent:
     return event._replace(time=event.time + completion_lag_s) if event.delta < 0 else event
+
+
+def _weight(event: LoadEvent, decode_token_cost: float | None) -> float:
+    """What the event's request adds to its replica's load: one request, or its work."""
+    return 1.0 if decode_token_cost is None else _work(event, decode_token_cost)
 
 
 def _work(event: LoadEvent, decode_token_cost: float) -> float:
