@@ -58,11 +58,13 @@ class EngineConfig:
     # (engine/csrc/sampling.cpp, built with decode_attention's); torch: torch ops, compiled
     # with compile_decode; auto: native on CPU where it builds, else torch, logged.
     sampler: KernelChoice = "auto"
-    # Prepacked linears (linears: auto) on steps of one to three rows (up to three streams;
-    # the decode graph pads one row to two). native: our C++ kernel over the plain weights
-    # (engine/csrc/small_linear.cpp), kept beside the packed ones (the linears' weights take
-    # twice the memory); torch: oneDNN's product for every step. auto: ours on CPU where the
-    # linears are packed and it builds, else oneDNN's, logged (BENCHMARKS.md, session 9).
+    # Prepacked linears (linears: auto) on small steps. native: our C++ kernels over a second
+    # copy of the weights, kept beside the packed ones (the linears' weights take twice the
+    # memory): in bf16 on AVX-512 BF16, steps of 1 to 64 rows on the weights in panels
+    # (engine/csrc/blocked_linear.cpp, BENCHMARKS.md session 12); elsewhere, steps of one to
+    # three rows on the plain weights (engine/csrc/small_linear.cpp, session 9; the decode
+    # graph pads one row to two). torch: oneDNN's product for every step. auto: ours on CPU
+    # where the linears are packed and they build, else oneDNN's, logged.
     small_batch_linear: KernelChoice = "auto"
     seed: int = 0
     block_size: int = 16

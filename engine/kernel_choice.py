@@ -43,7 +43,7 @@ def sampler_draw(config: EngineConfig) -> Draw | None:
 
 
 def small_batch_linear(config: EngineConfig) -> bool:
-    """Whether packed linears take steps of one to three rows on our kernel."""
+    """Whether packed linears take small steps on our kernels (engine/packed_linear.py)."""
     packs = config.linears == "auto" and can_pack(config.torch_device, config.torch_dtype)
     if not _wants_native("small_batch_linear", config.small_batch_linear, packs,
                          f"needs linears: auto on a CPU that packs {config.torch_dtype}"):
@@ -53,7 +53,7 @@ def small_batch_linear(config: EngineConfig) -> bool:
     except Exception as exc:  # noqa: BLE001 - as decode_attention
         _fall_back("small_batch_linear", config.small_batch_linear, exc, "oneDNN's product for every step")
         return False
-    logger.info("small_batch_linear: one to three rows on our C++ kernel")
+    logger.info("small_batch_linear: small steps on our C++ kernels")
     return True
 
 

@@ -210,10 +210,14 @@ def _default_kv_budget(device: torch.device) -> float:
     return _DEFAULT_CPU_KV_GB * 2**30
 
 
+def _small_steps(model: GPT2LMHead) -> str:
+    return ", ours for 1 to 64 rows (bf16 panels)" if model.lm_head.weight.dim() == 4 else ", ours for 1 to 3 rows"
+
+
 def build_model(source: ModelSource, dtype: torch.dtype, device: torch.device, seed: int,
                 linears: LinearsMode = "reference", few_rows: bool = False) -> GPT2LMHead:
     """The model on `device` in `dtype`; linears="auto" prepacks its linears where the CPU runs
-    that (then its state dict no longer holds them), `few_rows` with our kernel for one to three rows."""
+    that (then its state dict no longer holds them), `few_rows` with our kernels for small steps."""
     with torch.device("meta"):
         model = GPT2LMHead(source.config)
     model.to_empty(device="cpu")
@@ -228,5 +232,5 @@ def build_model(source: ModelSource, dtype: torch.dtype, device: torch.device, s
     if device.type == "cpu":
         logger.info("CPU: %s; linears: %s %s%s", cpu_features().summary(),
                     "oneDNN-prepacked" if packed else "F.linear", str(dtype).removeprefix("torch."),
-                    ", ours for one to three rows" if packed and few_rows else "")
+                    _small_steps(model) if packed and few_rows else "")
     return model

@@ -31,9 +31,11 @@ class PackedLinear(nn.Module):
     """y = x @ weight.T + bias for 2-D x, with the weight in oneDNN's layout.
 
     The packed weight is an opaque tensor, kept out of the state dict: pack after loading.
-    With `few_rows`, the plain weight stays beside it and torch.ops.rayinfer.linear
-    (engine/csrc/small_linear.cpp) takes steps of one to three rows on it: oneDNN streams so
-    few rows' weights well below the memory's bandwidth (BENCHMARKS.md, session 9).
+    With `few_rows`, a second copy of the weight stays beside it for torch.ops.rayinfer.linear
+    (engine/csrc/small_linear.cpp), which runs small steps where oneDNN is slow: in bf16 on
+    AVX-512 BF16, the weight in panels (`panels`) and steps of 1 to 64 rows on
+    engine/csrc/blocked_linear.cpp (BENCHMARKS.md, session 12); elsewhere, the plain weight and
+    steps of one to three rows (session 9).
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, few_rows: bool = False):
@@ -44,7 +46,8 @@ class PackedLinear(nn.Module):
         self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None),
                              persistent=False)
         self.register_buffer("bias", None if bias is None else bias.detach(), persistent=False)
-        self.register_buffer("weight", weight.detach().contiguous() if few_rows else None, persistent=False)
+        own = (panels(weight) if in_panels(weight) else weight.detach().contiguous()) if few_rows else None
+        self.register_buffer("weight", own, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.few_rows:
@@ -63,9 +66,27 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
+PANEL = 32  # output features a panel: engine/csrc/blocked_linear.cpp's kPanel
+
+
+def in_panels(weight: torch.Tensor) -> bool:
+    """Whether our kernel takes this weight in panels: bf16 with an even number of inputs (a
+    dot product takes them in pairs), on a CPU with AVX-512 BF16 and kernels built for it."""
+    return (weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0 and cpu_features().avx512_bf16
+            and native.isa_build() == "avx512")
+
+
+def panels(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> [ceil(N / 32), K / 2, 32, 2]: 32 output features a panel, zero past N, k-pair by
+    k-pair, so that one 64-byte load holds 16 features' weights for two inputs."""
+    out_features, in_features = weight.shape
+    padded = F.pad(weight.detach(), (0, 0, 0, -out_features % PANEL))
+    return padded.view(-1, PANEL, in_features // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
 @functools.cache
 def load_few_rows() -> None:
-    """Our op for one to three rows, with the fake implementation that lets the decode graph
+    """Our op for small steps, with the fake implementation that lets the decode graph
     trace through it; raises where the kernels cannot be built."""
     native.load()
     torch.library.register_fake("rayinfer::linear")(_linear_output)
@@ -73,7 +94,8 @@ def load_few_rows() -> None:
 
 def _linear_output(x: torch.Tensor, packed_weight: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                    epilogue: str = "none", other: torch.Tensor | None = None) -> torch.Tensor:
-    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+    out_features = weight.shape[0] if weight.dim() == 2 else packed_weight.shape[0]  # panels pad to 32
+    return x.new_empty((*x.shape[:-1], out_features))
 
 
 # A linear and what follows it in a GPT-2 block, as one op where the layer is ours for few

@@ -1,6 +1,7 @@
-"""Packed linears take steps of one to three rows on our kernel (engine/csrc/small_linear.cpp,
-`small_batch_linear`), more rows on oneDNN's, with the epilogues inductor would have fused
-(GELU, the residual add). The op is checked against float64 products; the engine on it
+"""Packed linears take small steps on our kernels (`small_batch_linear`): in bf16 on AVX-512
+BF16, 1 to 64 rows on a weight in panels (engine/csrc/blocked_linear.cpp); elsewhere one to
+three rows on the plain weight (engine/csrc/small_linear.cpp); more rows on oneDNN's, with the
+epilogues inductor would have fused (GELU, the residual add). The op is checked against float64 products; the engine on it
 against the reference path (F.linear) the way vLLM checks kernels against HF: the same greedy
 tokens, or where they diverge each side's token within the other's top 5, logprobs close."""
 
@@ -10,8 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import LLM, EngineConfig, cpu
-from engine.packed_linear import PackedLinear, can_pack, load_few_rows
+import engine.native as native
+from engine import LLM, EngineConfig, SamplingParams, cpu
+from engine.packed_linear import PackedLinear, can_pack, in_panels, load_few_rows
 from tests.engine_helpers import greedy_logprobs, mixed_prompts
 
 DTYPES = [
@@ -37,23 +39,30 @@ def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _layer(dtype: torch.dtype, in_features: int, out_features: int, seed: int) -> PackedLinear:
+NO_PANELS = native.isa_build() != "avx512" or not cpu.cpu_features().avx512_bf16
+
+
+def _layer(dtype: torch.dtype, in_features: int, out_features: int, seed: int) -> tuple[PackedLinear, torch.Tensor]:
+    """The layer and its plain weight."""
     generator = torch.Generator().manual_seed(seed)
     weight = (torch.randn(out_features, in_features, generator=generator) / in_features**0.5).to(dtype)
     bias = torch.randn(out_features, generator=generator).to(dtype)
-    return PackedLinear(weight, bias, few_rows=True)
+    return PackedLinear(weight, bias, few_rows=True), weight
 
 
+# Rows: 1-3 the plain kernel's; 4 past it (oneDNN's) and, with panels, 13 (a 12-row tile and a
+# row), 64 and 65 (past the panels' kernel). Shapes (in, out): 100 inputs end inside a vector,
+# 37 outputs inside a panel; 63 inputs can't be paired, so stay plain.
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 2, 3, 4])  # 4: past our kernel, oneDNN's with the same epilogue
-@pytest.mark.parametrize("shape", [(64, 96), (100, 37)])  # 100: a row that ends inside a vector
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 13, 64, 65])
+@pytest.mark.parametrize("shape", [(64, 96), (100, 37), (63, 40)])
 @pytest.mark.parametrize("epilogue", ["none", "gelu", "add"])
 def test_products_and_epilogues_match_float64(dtype, rows, shape, epilogue):
-    layer = _layer(dtype, *shape, seed=rows)
+    layer, weight = _layer(dtype, *shape, seed=rows)
     generator = torch.Generator().manual_seed(7)
     x = torch.randn(rows, shape[0], generator=generator).to(dtype)
     residual = torch.randn(rows, shape[1], generator=generator).to(dtype) if epilogue == "add" else None
-    exact = F.linear(x.double(), layer.weight.double(), layer.bias.double())
+    exact = F.linear(x.double(), weight.double(), layer.bias.double())
     want = {"none": exact, "gelu": F.gelu(exact, approximate="tanh"),
             "add": exact + (residual.double() if residual is not None else 0)}[epilogue]
     got = torch.ops.rayinfer.linear(x, layer.packed_weight, layer.weight, layer.bias, epilogue, residual)
@@ -61,8 +70,16 @@ def test_products_and_epilogues_match_float64(dtype, rows, shape, epilogue):
     torch.testing.assert_close(got.double(), want, **TOLERANCE[dtype])
 
 
+@pytest.mark.skipif(NO_PANELS, reason=f"panels need AVX-512 BF16; this CPU: {cpu.cpu_features().summary()}")
+def test_bf16_weights_go_in_panels_where_the_cpu_has_bf16_dot_products():
+    layer, weight = _layer(torch.bfloat16, 100, 37, seed=0)
+    assert in_panels(weight) and layer.weight.shape == (2, 50, 32, 2)  # 37 features padded to 64
+    assert layer.weight[1, 3, 4].tolist() == weight[36, 6:8].tolist() and not layer.weight[1, :, 5:].any()
+    assert not in_panels(weight.float()) and not in_panels(weight[:, :63])  # fp32; inputs that don't pair
+
+
 def test_an_unknown_epilogue_and_an_other_without_add_are_refused():
-    layer = _layer(torch.float32, 64, 96, seed=0)
+    layer, _ = _layer(torch.float32, 64, 96, seed=0)
     x = torch.randn(1, 64)
     with pytest.raises(RuntimeError, match="unknown epilogue"):
         torch.ops.rayinfer.linear(x, layer.packed_weight, layer.weight, layer.bias, "relu")
@@ -103,3 +120,19 @@ def test_one_stream_on_it_agrees_with_the_reference_path_to_top5_and_logprobs(ti
                 assert a in ref_lps[i].topk(TOP_K).indices and b in fast_lps[i].topk(TOP_K).indices
                 break
             assert abs(fast_lps[i][a] - ref_lps[i][a]) < LOGPROB_ATOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_batch_on_it_agrees_with_the_reference_path_to_top5_and_logprobs(tiny_gpt2_dir, dtype):
+    """Twelve prompts at once: steps of 2 to 12 rows, and prefill chunks up to 64 tokens."""
+    fast = LLM(str(tiny_gpt2_dir), weights="pretrained", dtype=_name(dtype), device="cpu")
+    reference = LLM(str(tiny_gpt2_dir), weights="pretrained", dtype=_name(dtype), device="cpu", linears="reference")
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=TOP_K)
+    prompts = mixed_prompts(12)
+    for ours, ref in zip(fast.generate(prompts, params), reference.generate(prompts, params)):
+        assert ours.token_ids[0] == ref.token_ids[0]
+        for a, b in zip(ours.logprobs, ref.logprobs):
+            if a.token_id != b.token_id:  # a near-tie, as above
+                assert a.token_id in dict(b.top) and b.token_id in dict(a.top)
+                break
+            assert abs(a.logprob - b.logprob) < LOGPROB_ATOL[dtype]

@@ -1,17 +1,17 @@
-// y = epilogue(x @ weight.T + bias) for a prepacked linear (engine/packed_linear.py): for up
-// to three rows, a pass over the plain weight of our own; for more, oneDNN's product on the
-// packed one. The epilogues are those inductor fuses into oneDNN's linears in the decode
-// graph, which it cannot see through this op: "none", "gelu" (tanh-approximated, GPT-2's)
-// and "add" (y + other, the residual).
+// y = epilogue(x @ weight.T + bias) for a prepacked linear (engine/packed_linear.py): where
+// its weight is in bf16 panels, 1 to 64 rows on blocked_linear.cpp's kernel; where it is plain,
+// up to three rows on a pass over it of our own; for more, oneDNN's product on the packed one.
+// The epilogues are those inductor fuses into oneDNN's linears in the decode graph, which it
+// cannot see through this op: "none", "gelu" (tanh-approximated, GPT-2's) and "add" (y +
+// other, the residual).
 //
 // Why: a decode step of one sequence (padded to two rows by the decode graph) reads every
 // weight once, and its time is that read. oneDNN's kernels for so few rows stream the weights
 // well below this machine's memory bandwidth; one dot product per output, its rows split
 // across torch's threads, streams them near it (BENCHMARKS.md, session 9).
 //
-// bf16 products use AVX-512 BF16's dot-product instruction where the CPU has it (checked
-// here, once); fp32 products, and bf16 elsewhere, ATen's vector types for the build's ISA.
-// Accumulation is in fp32 either way.
+// The plain pass (fp32, and bf16 on CPUs without AVX-512 BF16) runs on ATen's vector types
+// for the build's ISA, accumulating in fp32.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -21,9 +21,11 @@
 #include <cmath>
 #include <torch/library.h>
 
-#if defined(CPU_CAPABILITY_AVX512)
-#include <immintrin.h>
-#endif
+namespace rayinfer {
+at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& panels, int64_t n, const at::BFloat16* bias,
+                          int kind, const at::BFloat16* other);
+constexpr int64_t kMaxBlockedRows = 64;  // as blocked_linear.cpp's
+}  // namespace rayinfer
 
 namespace {
 
@@ -74,47 +76,6 @@ void rows_vec(const T* x, const T* w, const T* bias, const Epilogue& e, T* y, in
   }
 }
 
-#if defined(CPU_CAPABILITY_AVX512)
-// bf16 with vdpbf16ps: 32 products a instruction, summed in pairs into 16 fp32 lanes.
-template <int64_t M>
-__attribute__((target("avx512bf16,avx512bw,avx512vl,avx512f")))
-void rows_bf16_dot(const at::BFloat16* x, const at::BFloat16* w, const at::BFloat16* bias, const Epilogue& e,
-                   at::BFloat16* y, int64_t K, int64_t N, int64_t n0, int64_t n1) {
-  for (int64_t n = n0; n < n1; ++n) {
-    const at::BFloat16* wr = w + n * K;
-    __m512 acc[M];
-    for (int64_t m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
-    int64_t k = 0;
-    for (; k + 32 <= K; k += 32) {
-      __m512bh wv = (__m512bh)_mm512_loadu_si512(wr + k);
-      for (int64_t m = 0; m < M; ++m)
-        acc[m] = _mm512_dpbf16_ps(acc[m], wv, (__m512bh)_mm512_loadu_si512(x + m * K + k));
-    }
-    for (int64_t m = 0; m < M; ++m) {
-      float sum = _mm512_reduce_add_ps(acc[m]);
-      for (int64_t kk = k; kk < K; ++kk) sum += float(wr[kk]) * float(x[m * K + kk]);
-      y[m * N + n] = finish(sum, bias, e, m, n, N);
-    }
-  }
-}
-
-bool has_bf16_dot() {
-  static const bool has = __builtin_cpu_supports("avx512bf16");
-  return has;
-}
-#endif
-
-template <typename T, int64_t M>
-void rows(const T* x, const T* w, const T* bias, const Epilogue& e, T* y, int64_t K, int64_t N, int64_t n0,
-          int64_t n1) {
-#if defined(CPU_CAPABILITY_AVX512)
-  if constexpr (std::is_same_v<T, at::BFloat16>) {
-    if (has_bf16_dot()) return rows_bf16_dot<M>(x, w, bias, e, y, K, N, n0, n1);
-  }
-#endif
-  rows_vec<T, M>(x, w, bias, e, y, K, N, n0, n1);
-}
-
 template <typename T>
 at::Tensor few_rows(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                     Epilogue e) {
@@ -127,9 +88,9 @@ at::Tensor few_rows(const at::Tensor& x, const at::Tensor& weight, const std::op
   const T* bp = bias && bias->defined() ? bias->data_ptr<T>() : nullptr;
   T* yp = y.data_ptr<T>();
   at::parallel_for(0, N, kGrain, [&](int64_t n0, int64_t n1) {
-    if (M == 1) rows<T, 1>(xp, wp, bp, e, yp, K, N, n0, n1);
-    else if (M == 2) rows<T, 2>(xp, wp, bp, e, yp, K, N, n0, n1);
-    else rows<T, 3>(xp, wp, bp, e, yp, K, N, n0, n1);
+    if (M == 1) rows_vec<T, 1>(xp, wp, bp, e, yp, K, N, n0, n1);
+    else if (M == 2) rows_vec<T, 2>(xp, wp, bp, e, yp, K, N, n0, n1);
+    else rows_vec<T, 3>(xp, wp, bp, e, yp, K, N, n0, n1);
   });
   return y;
 }
@@ -161,11 +122,30 @@ at::Tensor onednn(const at::Tensor& x, const at::Tensor& packed_weight, const st
                  c10::string_view(gelu ? "tanh" : ""));
 }
 
+int epilogue_kind(c10::string_view epilogue) {
+  return epilogue == "gelu" ? Epilogue::kGelu : epilogue == "add" ? Epilogue::kAdd : Epilogue::kNone;
+}
+
+// weight [P, K/2, 32, 2] (bf16 panels, blocked_linear.cpp): 1 to 64 rows there.
+at::Tensor from_panels(const at::Tensor& x, const at::Tensor& packed_weight, const at::Tensor& panels,
+                       const std::optional<at::Tensor>& bias, c10::string_view epilogue,
+                       const std::optional<at::Tensor>& other) {
+  const int64_t K = 2 * panels.size(1), N = packed_weight.size(0);
+  const bool ours = x.dim() >= 1 && x.size(-1) == K && x.numel() > 0 && x.numel() <= rayinfer::kMaxBlockedRows * K &&
+                    x.scalar_type() == at::kBFloat16 && (!bias || bias->scalar_type() == at::kBFloat16) &&
+                    (!other || (other->numel() == x.numel() / K * N && other->scalar_type() == at::kBFloat16));
+  if (!ours) return onednn(x, packed_weight, bias, epilogue, other);
+  const at::Tensor b = bias ? bias->contiguous() : at::Tensor(), o = other ? other->contiguous() : at::Tensor();
+  return rayinfer::blocked_linear(x.contiguous(), panels, N, b.defined() ? b.const_data_ptr<at::BFloat16>() : nullptr,
+                                  epilogue_kind(epilogue), o.defined() ? o.const_data_ptr<at::BFloat16>() : nullptr);
+}
+
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed_weight, const at::Tensor& weight,
                   const std::optional<at::Tensor>& bias, c10::string_view epilogue,
                   const std::optional<at::Tensor>& other) {
   TORCH_CHECK(epilogue == "none" || epilogue == "gelu" || epilogue == "add", "linear: unknown epilogue ", epilogue);
   TORCH_CHECK((epilogue == "add") == (other.has_value() && other->defined()), "linear: `other` goes with \"add\" alone");
+  if (weight.dim() == 4) return from_panels(x, packed_weight, weight, bias, epilogue, other);
   const int64_t K = weight.size(1), N = weight.size(0);
   const bool few = x.dim() >= 1 && x.size(-1) == K && x.numel() <= max_rows(x.scalar_type()) * K && x.numel() > 0;
   const bool dense = x.is_contiguous() && weight.is_contiguous() && x.scalar_type() == weight.scalar_type() &&
@@ -173,8 +153,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed_weight, const at
                                  other->scalar_type() == x.scalar_type()));
   if (!few || !dense || (x.scalar_type() != at::kBFloat16 && x.scalar_type() != at::kFloat))
     return onednn(x, packed_weight, bias, epilogue, other);
-  Epilogue e{epilogue == "gelu" ? Epilogue::kGelu : epilogue == "add" ? Epilogue::kAdd : Epilogue::kNone,
-             other ? other->data_ptr() : nullptr};
+  Epilogue e{Epilogue::Kind(epilogue_kind(epilogue)), other ? other->data_ptr() : nullptr};
   if (x.scalar_type() == at::kBFloat16) return few_rows<at::BFloat16>(x, weight, bias, e);
   return few_rows<float>(x, weight, bias, e);
 }

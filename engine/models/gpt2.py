@@ -97,7 +97,7 @@ class GPT2LMHead(nn.Module):
     def pack_linears(self, few_rows: bool = False) -> None:
         """Prepack the projections and the LM head for oneDNN (bf16 on CPU, see
         engine/packed_linear.py). Call after the weights are loaded: the state dict then no
-        longer holds the projections. `few_rows`: steps of one to three rows on our kernel."""
+        longer holds the projections. `few_rows`: small steps on our kernels (engine/packed_linear.py)."""
         pack_linears(self.h, few_rows)
         self.lm_head = PackedLinear(self.wte.weight, None, few_rows)
 
