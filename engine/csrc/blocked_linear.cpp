@@ -22,7 +22,6 @@ namespace rayinfer {
 
 constexpr int64_t kPanel = 32;     // output features a panel: two 16-lane vectors
 constexpr int64_t kTileRows = 12;  // 12 x 2 accumulators, 2 weight vectors, a broadcast: 27 registers
-constexpr int64_t kMaxBlockedRows = 64;  // past it oneDNN's product is as fast (BENCHMARKS.md)
 
 #if defined(CPU_CAPABILITY_AVX512)
 #define RAYINFER_BF16 __attribute__((target("avx512bf16,avx512bw,avx512vl,avx512f")))

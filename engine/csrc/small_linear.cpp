@@ -24,7 +24,7 @@
 namespace rayinfer {
 at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& panels, int64_t n, const at::BFloat16* bias,
                           int kind, const at::BFloat16* other);
-constexpr int64_t kMaxBlockedRows = 64;  // as blocked_linear.cpp's
+constexpr int64_t kMaxBlockedRows = 64;  // past it oneDNN's product is as fast (BENCHMARKS.md, session 12)
 }  // namespace rayinfer
 
 namespace {
