@@ -19,10 +19,10 @@ load_unit: requests counts each request as one. work (deployments/prefix_routing
 choose_by_work) weighs a replica by the work it last reported still ahead of it
 (record_routing_stats: prompt tokens not yet computed, plus decode_token_cost per token
 still to decode, of every router's requests), less this router's requests in it that have
-completed since, plus this router's requests chosen since that report, each at what it asks of its replica: the prompt tokens that replica likely lacks
-(this router's CacheShadow) plus its decode. Where a replica's report is missing or stale,
-this router's own requests stand in, and the rest of Serve's count (other routers') at this
-request's weight.
+completed since, plus this router's requests chosen since that report, each at what it asks
+of its replica: the prompt tokens that replica likely lacks (this router's CacheShadow) plus
+its decode. Where a replica's report is missing or stale, this router's own requests stand
+in, and the rest of Serve's count (other routers') at this request's weight.
 """
 
 from __future__ import annotations
