@@ -18,18 +18,18 @@ routing stats (polled by Serve every request_routing_stats_period_s).
 load_unit: requests counts each request as one. work (deployments/prefix_routing.py
 choose_by_work) weighs a replica by the work it last reported still ahead of it
 (record_routing_stats: prompt tokens not yet computed, plus decode_token_cost per token
-still to decode, of every router's requests), less this router's requests in it that have
-completed since, plus this router's requests chosen since that report, each at what it asks
-of its replica: the prompt tokens that replica likely lacks (this router's CacheShadow) plus
-its decode. Where a replica's report is missing or stale, this router's own requests stand
-in, and the rest of Serve's count (other routers') at this request's weight.
+still to decode, of every router's requests) plus this router's requests chosen since that
+report, each at what it asks of its replica: the prompt tokens that replica likely lacks
+(this router's CacheShadow) plus its decode. Where a replica's report is missing or stale,
+this router's own requests stand in, and the rest of Serve's count (other routers') at this
+request's weight.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import Counter, deque
+from collections import Counter
 from dataclasses import dataclass
 from typing import Literal
 
@@ -62,7 +62,6 @@ class _Placement:
     chosen_at: float  # time.time(): compared with the replicas' reports
     work: float  # what it asks of the chosen replica (load_unit work)
     is_routed: bool = False
-    completed_at: float | None = None
 
 
 @dataclass(frozen=True)
@@ -86,7 +85,6 @@ class PrefixAffinityRouter(RequestRouter):
         self._eps, self._key_blocks = load_bound_eps, key_blocks
         self._load_unit, self._decode_token_cost = load_unit, decode_token_cost
         self._placements: dict[str, _Placement] = {}  # internal request id -> where it went
-        self._completed: deque[_Placement] = deque()  # completed within _REPORT_MAX_AGE_S, oldest first
         self._shadow = CacheShadow()
         self._metrics = RouterMetrics()
 
@@ -115,10 +113,7 @@ class PrefixAffinityRouter(RequestRouter):
             placement.replica_id, placement.is_routed = replica_id.unique_id, True
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        placement = self._placements.pop(internal_request_id, None)
-        if placement is not None and self._load_unit == "work":
-            placement.completed_at = time.time()
-            self._completed.append(placement)
+        self._placements.pop(internal_request_id, None)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         """Serve calls this when the replica set or a replica's routing stats change."""
@@ -148,28 +143,23 @@ class PrefixAffinityRouter(RequestRouter):
     def _work_loads(self, prompt: _Prompt | None,
                     replicas: list[RunningReplica]) -> tuple[dict[str, float], dict[str, float]]:
         """Each replica's open work, and this request's work on it."""
-        live, done, loads, costs = self._live_placements(), self._recently_completed(), {}, {}
+        live, loads, costs = self._live_placements(), {}, {}
         for replica in replicas:
             replica_id = replica.replica_id.unique_id
             costs[replica_id] = self._cost(prompt, replica_id)
-            loads[replica_id] = self._work_load(replica, [p for p in live if p.replica_id == replica_id],
-                                                [p for p in done if p.replica_id == replica_id], costs[replica_id])
+            loads[replica_id] = self._work_load(replica, [p for p in live if p.replica_id == replica_id], costs[replica_id])
         return loads, costs
 
-    def _work_load(self, replica: RunningReplica, mine: list[_Placement], done: list[_Placement], cost: float) -> float:
+    def _work_load(self, replica: RunningReplica, mine: list[_Placement], cost: float) -> float:
         """The work the replica last reported still ahead of it (every router's requests,
-        prefills and decodes already done subtracted), less this router's requests in that
-        report that have completed since (at most what each asked: a report a stats period
-        old must not keep a finished request on its replica), plus this router's requests
-        chosen since. Where its report is missing or old: this router's requests at their
-        cost when chosen, and the rest of Serve's count (other routers') as this one would
+        prefills and decodes already done subtracted), plus this router's requests chosen
+        since. Where its report is missing or old: this router's requests at their cost
+        when chosen, and the rest of Serve's count (other routers') as this one would
         weigh there."""
         stats = replica.routing_stats or {}
         if time.time() - stats.get("pending_at", 0.0) < _REPORT_MAX_AGE_S:
-            reported_at = stats["pending_at"]
             pending = stats["num_pending_prompt_tokens"] + self._decode_token_cost * stats["num_pending_decode_tokens"]
-            finished = sum(p.work for p in done if p.chosen_at <= reported_at < p.completed_at)
-            return max(pending - finished, 0.0) + sum(p.work for p in mine if p.chosen_at > reported_at)
+            return pending + sum(p.work for p in mine if p.chosen_at > stats["pending_at"])
         return sum(p.work for p in mine) + max(self._queue_len(replica) - len(mine), 0) * cost
 
     def _cost(self, prompt: _Prompt | None, replica_id: str) -> float:
@@ -190,14 +180,6 @@ class PrefixAffinityRouter(RequestRouter):
             if not placement.is_routed and placement.chosen_at < expired_before:
                 del self._placements[request_id]
         return list(self._placements.values())
-
-    def _recently_completed(self) -> list[_Placement]:
-        """This router's requests completed within _REPORT_MAX_AGE_S: what a fresh report may
-        still count."""
-        forget_before = time.time() - _REPORT_MAX_AGE_S
-        while self._completed and self._completed[0].completed_at < forget_before:
-            self._completed.popleft()
-        return list(self._completed)
 
     def _queue_len(self, replica: RunningReplica) -> int:
         """Serve's cached count; the replica's own report, up to a stats period old,
