@@ -39,13 +39,21 @@ class AttentionMetadata:
     decode: AttentionGroup | None
     prefill: AttentionGroup | None
     fused_decode: bool = False  # decodes attend through the compiled kernel (compile_attention)
+    native_write: bool = False  # k, v written by our C++ copy (engine/csrc/kv_write.cpp), built
 
 
-def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> None:
-    """k, v: [T, H, D] written to their slots."""
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+             native: bool = False) -> None:
+    """k, v: [T, H, D] written to their slots; `native`: over torch's threads by our C++ copy,
+    where index_copy_ copies on one (~9.5 of a 512-token prefill's ~250 ms, BENCHMARKS.md
+    session 12)."""
     num_heads, _, _, head_dim = k_cache.shape
-    k_cache.view(num_heads, -1, head_dim).index_copy_(1, slots, k.transpose(0, 1))
-    v_cache.view(num_heads, -1, head_dim).index_copy_(1, slots, v.transpose(0, 1))
+    for new, cache in ((k, k_cache), (v, v_cache)):
+        rows, by_head = cache.view(num_heads, -1, head_dim), new.transpose(0, 1)
+        if native:
+            torch.ops.rayinfer.write_kv(rows, by_head.contiguous(), slots)
+        else:
+            rows.index_copy_(1, slots, by_head)
 
 
 def paged_attention(
@@ -57,7 +65,7 @@ def paged_attention(
     meta: AttentionMetadata,
 ) -> torch.Tensor:
     """q, k, v: [T, H, D] for this step's tokens. Writes k, v to the cache, returns [T, H, D]."""
-    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    write_kv(k, v, k_cache, v_cache, meta.slot_mapping, meta.native_write)
     num_decodes = meta.num_decodes
     if meta.prefill is None:
         return _attend_decodes(q, k_cache, v_cache, meta)

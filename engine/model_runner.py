@@ -121,6 +121,7 @@ class ModelRunner:
             decode=self._decode_group(seqs[:num_decodes]) if num_decodes else None,
             prefill=self._prefill_group(seqs[num_decodes:], num_new[num_decodes:], num_decodes) if num_decodes < len(seqs) else None,
             fused_decode=self.fused_decode,
+            native_write=self.decode_graph is not None and self.decode_graph.native_write,
         )
         return self._tensor(input_ids), self._tensor(positions), self.kv_caches, meta
 

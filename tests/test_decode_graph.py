@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine import LLM, EngineConfig, SamplingParams, native, native_attention
-from engine.attention import decode_attention_with_own
+from engine.attention import decode_attention_with_own, write_kv
 from engine.cpu import cpu_features
 from engine.decode_graph import DecodeGraph, write_new_kv
 from tests.engine_helpers import mixed_prompts
@@ -79,6 +79,22 @@ def test_our_kv_write_is_index_copy(dtype: torch.dtype):
     assert torch.equal(pool, expected)
     with pytest.raises(RuntimeError, match="slot 20 outside the pool's 20"):
         write_new_kv(pool, new_kv, torch.tensor([1, 2, 3, 20]), native=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_prefill_layers_kv_write_on_ours_is_index_copy(dtype: torch.dtype):
+    """engine/attention.py write_kv, as eager steps write a layer's k, v [T, H, D]: ours
+    where the decode graph runs our kernels, index_copy_ elsewhere."""
+    native.load()
+    generator = torch.Generator().manual_seed(1)
+    caches = torch.randn(2, 3, 5, 4, 8, generator=generator).to(dtype)  # [k/v, H, blocks, block_size, D]
+    k, v = torch.randn(2, 6, 3, 8, generator=generator).to(dtype)  # 6 tokens
+    slots = torch.tensor([4, 5, 6, 7, 19, 0])  # a whole block, the last slot, the first
+    expected = caches.clone()
+    write_kv(k, v, expected[0], expected[1], slots)
+    write_kv(k, v, caches[0], caches[1], slots, native=True)
+    assert torch.equal(caches, expected)
+    assert torch.equal(caches[0].view(3, -1, 8)[:, 19], k[4]) and torch.equal(caches[1].view(3, -1, 8)[:, 0], v[5])
 
 
 def test_compiled_decode_matches_the_reference_path_in_fp32(tiny_gpt2_dir):

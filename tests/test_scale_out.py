@@ -177,14 +177,17 @@ def test_two_routers_in_two_processes_agree_on_affinity_and_together_stay_within
 
 def check_two_routers(rng: random.Random, replica_ids: list[str], load_log_dir: Path, num_prefixes: int,
                       decode_token_cost: float | None) -> None:
-    """Two Callers: sequential requests on each prefix all go to its first choice; then a
-    burst of 12 from each on one prefix: most at home, some spilled, and (by the replicas'
-    load logs, in requests or in work) no arrival lastingly past the bound."""
+    """Two Callers: sequential requests on each prefix, on idle replicas, all go to its first
+    choice; then a burst of 12 from each on one prefix: most at home, some spilled, and (by
+    the replicas' load logs, in requests or in work) no arrival lastingly past the bound."""
     callers = [Caller.remote(), Caller.remote()]
     for _ in range(num_prefixes):
         prefix = random_prompt(rng, 5 * BLOCK)
         first_choice = rendezvous_order(prefix_key(prefix, BLOCK, KEY_BLOCKS), replica_ids)[0]
         for caller in callers + callers:
+            # Idle replicas as every router sees them: a report Serve polled while the last
+            # request was still queued counts its prompt, for up to a stats period.
+            time.sleep(2 * ROUTER["request_routing_stats_period_s"])
             before = served()
             assert ray.get(caller.complete.remote([prefix + random_prompt(rng, 8)], 2)) == ["length"]
             assert new_requests(before) == {r: 1 if r == first_choice else 0 for r in replica_ids}
