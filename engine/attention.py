@@ -39,14 +39,13 @@ class AttentionMetadata:
     decode: AttentionGroup | None
     prefill: AttentionGroup | None
     fused_decode: bool = False  # decodes attend through the compiled kernel (compile_attention)
-    native_write: bool = False  # k, v written by our C++ copy (engine/csrc/kv_write.cpp), built
+    native_write: bool = False  # k, v written by our C++ copy (engine/csrc/kv_write.cpp): it is built
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
              native: bool = False) -> None:
     """k, v: [T, H, D] written to their slots; `native`: over torch's threads by our C++ copy,
-    where index_copy_ copies on one (~9.5 of a 512-token prefill's ~250 ms, BENCHMARKS.md
-    session 12)."""
+    where index_copy_ copies on one (a long prefill's writes: BENCHMARKS.md, session 12)."""
     num_heads, _, _, head_dim = k_cache.shape
     for new, cache in ((k, k_cache), (v, v_cache)):
         rows, by_head = cache.view(num_heads, -1, head_dim), new.transpose(0, 1)
