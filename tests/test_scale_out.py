@@ -29,6 +29,7 @@ from deployments.engine_load import LOAD_LOG_DIR_ENV, read_load_logs
 from deployments.prefix_routing import prefix_key, rendezvous_order
 from engine import SamplingParams
 from loadtest.load_balance import arrival_loads
+from tests.http_helpers import wait_for
 from tests.serve_helpers import free_port, running_app
 from tests.test_observability import scrape_until
 
@@ -327,7 +328,10 @@ def test_in_work_a_home_of_cached_requests_keeps_a_burst_the_request_bound_would
     before, started = served(), time.time()
     long_ones = [caller.complete.remote([prompt_homed_on(rng, replica_ids, replica_id, 100)], 900)
                  for replica_id in (home, other)]
-    time.sleep(0.3)
+    # Both long requests in their engines, and in reports the router has read, before the
+    # burst (a slow machine, as under the AVX2 emulation, takes longer than any fixed wait).
+    wait_for(lambda: all(read_load_logs(load_log_dir, started, replica_ids).get(r) for r in replica_ids))
+    time.sleep(2 * ROUTER["request_routing_stats_period_s"])
     burst = caller.complete.remote([prefix + random_prompt(rng, 8) for _ in range(12)], 32)
     assert ray.get([*long_ones, burst]) == [["length"], ["length"], ["length"] * 12]
     ray.kill(caller)
