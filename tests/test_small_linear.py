@@ -11,7 +11,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import engine.native as native
 from engine import LLM, EngineConfig, SamplingParams, cpu
 from engine.packed_linear import PackedLinear, can_pack, in_panels, load_few_rows
 from tests.engine_helpers import greedy_logprobs, mixed_prompts
@@ -39,7 +38,7 @@ def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-NO_PANELS = native.isa_build() != "avx512" or not cpu.cpu_features().avx512_bf16
+NO_PANELS = not in_panels(torch.zeros(1, 2, dtype=torch.bfloat16))
 
 
 def _layer(dtype: torch.dtype, in_features: int, out_features: int, seed: int) -> tuple[PackedLinear, torch.Tensor]:

@@ -112,8 +112,6 @@ at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& panels, int64_t
   return y;
 }
 #else
-bool has_bf16_dot() { return false; }
-
 at::Tensor blocked_linear(const at::Tensor&, const at::Tensor&, int64_t, const at::BFloat16*, int, const at::BFloat16*) {
   TORCH_CHECK(false, "linear: weights in panels need kernels built for AVX-512 BF16");
 }
