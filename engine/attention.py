@@ -99,21 +99,33 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 def decode_attention_with_own(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                              v_cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
+                              v_cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
+                              first_rows: torch.Tensor | None = None) -> torch.Tensor:
     """decode_attention for queries whose own k, v [B, H, D] are not in the pools yet: each
-    attends to its context_lens [B] cached tokens and to its own key. The signature of
-    torch.ops.rayinfer.decode_attention (engine/native_attention.py), whose reference this is.
+    attends to its context_lens [B] cached tokens and to its own key; with first_rows [B], row
+    b also attends to the keys of this step's rows first_rows[b]..b (a prefill chunk's rows
+    before it, causal). The signature of torch.ops.rayinfer.decode_attention
+    (engine/native_attention.py), whose reference this is.
 
-    Leaves the pools unwritten, so a compiled graph of the whole decode forward stays free
-    of mutation (the caller writes k, v after it).
+    Leaves the pools unwritten, so a compiled graph of the whole step stays free of
+    mutation (the caller writes k, v after it).
     """
     keys = torch.arange(block_tables.shape[1] * k_cache.shape[2], device=q.device)
     mask = keys.unsqueeze(0) < context_lens.unsqueeze(1)  # [B, L]: the cached tokens
     queries = q.transpose(0, 1).float()  # [H, B, D]
     cached = _cached_scores(queries, k_cache, block_tables, mask)
-    own = (queries * k.transpose(0, 1).float()).sum(-1, keepdim=True) * q.shape[-1] ** -0.5  # [H, B, 1]
-    probs = torch.cat([cached, own], dim=-1).softmax(dim=-1)
-    out = _weighted_values(probs[..., :-1], v_cache, block_tables) + probs[..., -1:] * v.transpose(0, 1).float()
+    if first_rows is None:
+        fresh = (queries * k.transpose(0, 1).float()).sum(-1, keepdim=True) * q.shape[-1] ** -0.5  # [H, B, 1]
+        probs = torch.cat([cached, fresh], dim=-1).softmax(dim=-1)
+        out = _weighted_values(probs[..., :-1], v_cache, block_tables) + probs[..., -1:] * v.transpose(0, 1).float()
+        return out.to(q.dtype).transpose(0, 1)
+    rows = torch.arange(q.shape[0], device=q.device)
+    in_chunk = (rows.unsqueeze(0) >= first_rows.unsqueeze(1)) & (rows.unsqueeze(0) <= rows.unsqueeze(1))  # [B, B]
+    fresh = torch.matmul(queries, k.transpose(0, 1).float().transpose(1, 2)) * q.shape[-1] ** -0.5  # [H, B, B]
+    probs = torch.cat([cached, fresh.masked_fill(~in_chunk, float("-inf"))], dim=-1).softmax(dim=-1)
+    num_cached = cached.shape[-1]
+    out = (_weighted_values(probs[..., :num_cached], v_cache, block_tables)
+           + torch.matmul(probs[..., num_cached:], v.transpose(0, 1).float()))
     return out.to(q.dtype).transpose(0, 1)
 
 

@@ -1,5 +1,6 @@
 """Our C++ decode attention (engine/csrc/decode_attention.cpp, built by engine/native.py),
-as the op `torch.ops.rayinfer.decode_attention` the decode graph calls.
+as the op `torch.ops.rayinfer.decode_attention` the decode graph calls: for decodes, and
+for the rows of prefill chunks, each attending causally to its chunk's rows before it.
 
 Why a kernel of our own: inductor's code for the same expression (engine/attention.py
 decode_attention_with_own) reduces every key's dot product across vector lanes inside

@@ -96,6 +96,50 @@ def test_native_kernel_matches_the_gathering_path(dtype, atol):
                                reference_with_own(*inputs), atol=atol, rtol=atol)
 
 
+def chunked_batch(dtype: torch.dtype):
+    """A step's rows as the graph gives them: two decodes, then a 5-token prefill chunk after
+    20 cached tokens, then a 3-token chunk with nothing cached; each chunk's rows share their
+    sequence's block table and name the chunk's first row."""
+    generator = torch.Generator().manual_seed(2)
+    k_cache = torch.randn(HEADS, BLOCKS, BLOCK_SIZE, HEAD_DIM, generator=generator).to(dtype)
+    v_cache = torch.randn(HEADS, BLOCKS, BLOCK_SIZE, HEAD_DIM, generator=generator).to(dtype)
+    tables = torch.randperm(BLOCKS, generator=generator)[:4 * 4].view(4, 4)
+    sequence = torch.tensor([0, 1, 2, 2, 2, 2, 2, 3, 3, 3])  # each row's sequence
+    tables = tables[sequence]
+    first_rows = torch.tensor([0, 1, 2, 2, 2, 2, 2, 7, 7, 7])
+    positions = torch.tensor([9, 33, 20, 21, 22, 23, 24, 0, 1, 2])
+    qkv = torch.randn(10, 3, HEADS, HEAD_DIM, generator=generator).to(dtype)
+    return qkv, k_cache, v_cache, tables, positions, first_rows
+
+
+def chunked_reference(qkv, k_cache, v_cache, tables, positions) -> torch.Tensor:
+    """The gathering path after writing every row's k, v to its slot: each row attends to
+    its sequence's tokens up to its own position."""
+    k_cache, v_cache = k_cache.clone(), v_cache.clone()
+    blocks = tables[torch.arange(len(tables)), positions // BLOCK_SIZE]
+    k_cache[:, blocks, positions % BLOCK_SIZE] = qkv[:, 1].transpose(0, 1)
+    v_cache[:, blocks, positions % BLOCK_SIZE] = qkv[:, 2].transpose(0, 1)
+    mask = torch.arange(tables.shape[1] * BLOCK_SIZE)[None, :] <= positions[:, None]
+    return eager_reference(qkv[:, 0], k_cache, v_cache, tables, mask)
+
+
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_prefill_chunk_rows_attend_causally_to_their_chunk(dtype, atol):
+    """Rows of a prefill chunk, beside decodes: each sees its cached tokens and its chunk's
+    rows up to itself, in our kernel and in the expression it stands for."""
+    kernel = native_attention.load()
+    qkv, k_cache, v_cache, tables, positions, first_rows = chunked_batch(dtype)
+    cached = positions - (torch.arange(len(positions)) - first_rows)
+    expected = chunked_reference(qkv, k_cache, v_cache, tables, positions)
+    for attention in (kernel, decode_attention_with_own):
+        ours = attention(qkv[:, 0], qkv[:, 1], qkv[:, 2], k_cache, v_cache, tables, cached, first_rows)
+        torch.testing.assert_close(ours, expected, atol=atol, rtol=atol)
+    # every row its own chunk is the decode batch the kernel took before first_rows
+    decodes = torch.arange(len(positions))
+    torch.testing.assert_close(kernel(qkv[:, 0], qkv[:, 1], qkv[:, 2], k_cache, v_cache, tables, positions, decodes),
+                               kernel(qkv[:, 0], qkv[:, 1], qkv[:, 2], k_cache, v_cache, tables, positions))
+
+
 def test_native_kernel_is_built_for_the_probed_isa():
     """CI's emulated step (RAYINFER_CPU_ISA=avx2 on an AVX-512 machine) builds and runs the
     AVX2 kernel: the build follows the probe, not the compiler's view of the CPU."""
@@ -116,4 +160,8 @@ def test_native_kernel_rejects_what_it_cannot_run():
         kernel(qkv[:, 0], qkv[:, 1], qkv[:, 2], k_cache, v_cache, torch.full_like(tables, BLOCKS), lens)
     with pytest.raises(RuntimeError, match="length 65 beyond its block table"):
         kernel(qkv[:, 0], qkv[:, 1], qkv[:, 2], k_cache, v_cache, tables, torch.full_like(lens, 4 * BLOCK_SIZE + 1))
+    with pytest.raises(RuntimeError, match="row 1's chunk starts at row 2"):
+        kernel(qkv[:, 0], qkv[:, 1], qkv[:, 2], k_cache, v_cache, tables, lens, torch.tensor([0, 2, 2, 3, 4]))
+    with pytest.raises(RuntimeError, match="one int64 first row per row"):
+        kernel(qkv[:, 0], qkv[:, 1], qkv[:, 2], k_cache, v_cache, tables, lens, torch.arange(4))
     assert native_attention.supports(64) and not native_attention.supports(12)
