@@ -40,9 +40,9 @@ class EngineConfig:
     # (engine/attention.py decode_attention). Off by default: the first step compiles for
     # tens of seconds in every process that runs an engine.
     compile_attention: bool = False
-    # Decode-only steps through one torch.compile'd graph of the whole forward with the
-    # weights frozen in (engine/decode_graph.py), on the same linears as the eager prefill
-    # and mixed steps. The graph compiles while the engine is built (tens of seconds, every
+    # Decode steps (and short steps with prefill chunks: graph_prefill_tokens) through one
+    # torch.compile'd graph of the whole forward with the weights frozen in
+    # (engine/decode_graph.py), on the same linears as the eager steps. The graph compiles while the engine is built (tens of seconds, every
     # process: freezing keeps it out of inductor's on-disk cache); where it cannot compile,
     # decode steps stay eager, with a warning. auto: on on CPU, in bf16 and fp32 (BENCHMARKS.md,
     # "The whole decode forward compiled"; fp32 won only once the graph's attention was our
@@ -54,6 +54,12 @@ class EngineConfig:
     # built once per machine for the probed ISA, ~10 s); torch: the same math as a PyTorch
     # expression inductor compiles; auto: native on CPU where it builds, else torch, logged.
     decode_attention: KernelChoice = "auto"
+    # Steps of up to this many tokens with prefill chunks among them (new prompts, chunks of
+    # long ones, beside decodes) take the compiled graph too, its attention reading each
+    # chunk's rows causally; longer ones, and steps that score prompt logprobs, run eagerly.
+    # 0: decode-only steps alone. 64 is our C++ linears' row limit (engine/csrc/small_linear.cpp),
+    # past which a step's time is oneDNN's products, eager or compiled (BENCHMARKS.md, session 13).
+    graph_prefill_tokens: int = 64
     # The sampler's draw (argmax and an inverse-CDF draw per row). native: our C++ kernel
     # (engine/csrc/sampling.cpp, built with decode_attention's); torch: torch ops, compiled
     # with compile_decode; auto: native on CPU where it builds, else torch, logged.
@@ -100,6 +106,8 @@ class EngineConfig:
         _require_positive("max_num_batched_tokens", self.max_num_batched_tokens)
         if self.num_kv_blocks is not None:
             _require_positive("num_kv_blocks", self.num_kv_blocks)
+        if not (isinstance(self.graph_prefill_tokens, int) and self.graph_prefill_tokens >= 0):
+            raise ValueError(f"graph_prefill_tokens must be an integer >= 0, got {self.graph_prefill_tokens!r}")
         for name in ("max_waiting_requests", "max_waiting_tokens"):
             if getattr(self, name) is not None:
                 _require_positive(name, getattr(self, name))
@@ -127,7 +135,7 @@ class EngineConfig:
 
     @cached_property
     def decode_compiled(self) -> bool:
-        """Whether decode-only steps run through the compiled graph (compile_decode resolved)."""
+        """Whether decode steps run through the compiled graph (compile_decode resolved)."""
         if self.compile_decode == "auto":
             return self.torch_device.type == "cpu"
         return bool(self.compile_decode)

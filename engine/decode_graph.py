@@ -1,6 +1,7 @@
-"""Decode-only steps through one inductor graph of the whole forward (`compile_decode: true`),
-as vLLM's CPU worker runs its model: weights frozen into the graph, LayerNorm, GELU and
-residual adds fused around the linears, and the paged pools read in place by the attention
+"""Decode steps, and steps short enough with prefill chunks among them (`graph_prefill_tokens`),
+through one inductor graph of the whole forward (`compile_decode: true`), as vLLM's CPU
+worker runs its model: weights frozen into the graph, LayerNorm, GELU and residual adds
+fused around the linears, and the paged pools read in place by the attention
 (`decode_attention` in the config: our C++ kernel, engine/native_attention.py, or the
 expression inductor compiles, engine/attention.py decode_attention_with_own). The linears
 are the model's own: its oneDNN-prepacked ones (`linears: auto`), which eager prefill steps
@@ -16,8 +17,12 @@ bf16 as it is (BENCHMARKS.md, session 10); what else reads them converts the row
 Where the sampler is torch's, the graph also returns each row's greedy token
 (`argmax_in_graph`), as ATen's argmax over the vocabulary is a slow, unvectorised pass.
 
-One graph for every step: batch and block-table width are dynamic, and padded to at least
-2, because dynamo specialises a size of 1 into a graph of its own (four graphs, each
+A row is one token: a decode's, or one of a prefill chunk's, which shares its sequence's
+block table and attends to the chunk's rows before it (`first_rows`); the graph returns the
+logits of the rows that sample (`logits_indices`) only.
+
+One graph for every step: rows, sampled rows and block-table width are dynamic, and padded
+to at least 2, because dynamo specialises a size of 1 into a graph of its own (each
 compiled at its first use, and a batch-of-one graph whose frozen fp32 linears inductor
 would put on MKL rather than oneDNN). The pools' shapes never change, so they are static.
 warm_up compiles that one graph before the engine serves.
@@ -56,12 +61,14 @@ def write_new_kv(kv_pool: torch.Tensor, new_kv: torch.Tensor, slot_mapping: torc
 
 
 def decode_step(model: GPT2LMHead, attention: DecodeAttention, argmax: bool, input_ids: torch.Tensor,
-                positions: torch.Tensor, kv_pool: torch.Tensor, block_tables: torch.Tensor,
-                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """What the graph computes: logits [B, vocab] in the model's dtype, greedy tokens [B] (None
-    unless `argmax`) and the new k, v of every layer as [n_layer * 2 * H, B, D], the pool's row order."""
-    logits, keys, values = model.decode(input_ids, positions, layer_caches(kv_pool), block_tables, attention)
-    new_kv = torch.stack([keys, values], dim=1).permute(0, 1, 3, 2, 4)  # [n_layer, 2, H, B, D]
+                positions: torch.Tensor, kv_pool: torch.Tensor, block_tables: torch.Tensor, first_rows: torch.Tensor,
+                logits_indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """What the graph computes: logits [S, vocab] of the rows logits_indices picks, in the
+    model's dtype, their greedy tokens [S] (None unless `argmax`) and the new k, v of every
+    layer as [n_layer * 2 * H, T, D], the pool's row order."""
+    logits, keys, values = model.decode(input_ids, positions, layer_caches(kv_pool), block_tables, attention,
+                                        first_rows, logits_indices)
+    new_kv = torch.stack([keys, values], dim=1).permute(0, 1, 3, 2, 4)  # [n_layer, 2, H, T, D]
     return logits, logits.argmax(dim=-1) if argmax else None, new_kv.flatten(0, 2)
 
 
@@ -74,13 +81,19 @@ class DecodeGraph:
         step = functools.partial(decode_step, model, attention, argmax_in_graph)
         # On CPU the kernels are called from C++, not Python (BENCHMARKS.md, session 8).
         self._compiled = compile_for(device, step, dynamic=True, freezing=True, cpp_wrapper=device.type == "cpu")
-        self.num_steps = 0  # decode steps run through the graph
+        self.num_steps = 0  # steps run through the graph
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_pool: torch.Tensor,
-                 block_tables: torch.Tensor, slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits [B, vocab] in the model's dtype and greedy tokens [B] (None unless
-        argmax_in_graph), one row per sequence; the pool holds this step's k, v after."""
-        logits, greedy, new_kv = self._run(input_ids, positions, kv_pool, block_tables)
+                 block_tables: torch.Tensor, slot_mapping: torch.Tensor, first_rows: torch.Tensor | None = None,
+                 logits_indices: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits [S, vocab] in the model's dtype and greedy tokens [S] (None unless
+        argmax_in_graph) of the rows logits_indices picks (every row by default); rows one
+        token each, each chunk's from first_rows (each row alone by default). The pool holds
+        this step's k, v after."""
+        rows = torch.arange(len(input_ids), device=input_ids.device)
+        logits, greedy, new_kv = self._run(input_ids, positions, kv_pool, block_tables,
+                                           rows if first_rows is None else first_rows,
+                                           rows if logits_indices is None else logits_indices)
         self.num_steps += 1
         with torch.inference_mode():
             write_new_kv(kv_pool, new_kv, slot_mapping, self.native_write)
@@ -89,34 +102,46 @@ class DecodeGraph:
     def warm_up(self, kv_pool: torch.Tensor, batch: int) -> None:
         """Compile the graph now, on scratch inputs that touch no pool, block or sequence.
 
-        `batch` rows against 4 blocks (5 if batch is 4: dynamo gives equal sizes one
-        symbol, which would tie batch to width); the rows are what inductor's heuristics
-        (and its packing of `linears: reference` weights) take as typical.
+        `batch` rows (at least 3), one fewer sampled, against a block-table width that is
+        neither: dynamo gives equal sizes one symbol, which would tie them together in the
+        graph. The rows are what inductor's heuristics (and its packing of `linears:
+        reference` weights) take as typical.
         """
         torch._dynamo.mark_static(kv_pool)
-        batch = max(batch, 2)
-        width = 5 if batch == 4 else 4
+        rows = max(batch, 3)
+        sampled = rows - 1
+        width = next(w for w in (4, 5, 6) if w not in (rows, sampled))
 
         def zeros(*shape: int) -> torch.Tensor:  # distinct tensors: dynamo guards on aliasing
             return torch.zeros(shape, dtype=torch.int64, device=kv_pool.device)
 
         start = time.monotonic()
-        self._run(zeros(batch), zeros(batch), kv_pool, zeros(batch, width))
+        self._run(zeros(rows), zeros(rows), kv_pool, zeros(rows, width), torch.arange(rows, device=kv_pool.device),
+                  torch.arange(sampled, device=kv_pool.device))
         logger.info("decode graph compiled in %.1f s", time.monotonic() - start)
 
-    def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_pool: torch.Tensor,
-             block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """The graph on inputs padded to at least 2 rows and 2 blocks, unpadded after.
+    def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_pool: torch.Tensor, block_tables: torch.Tensor,
+             first_rows: torch.Tensor, logits_indices: torch.Tensor,
+             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """The graph on inputs padded to at least 2 rows, 2 sampled rows and 2 blocks,
+        unpadded after.
 
-        A padding row repeats row 0; a padding block is block 0, masked out (a sequence with
+        A padding row repeats row 0 as a chunk of its own (row 0's cached tokens are in the
+        pool whether it decodes or starts a chunk); a padding sample repeats the first
+        (row 0 where none samples); a padding block is block 0, masked out (a sequence with
         one block has fewer cached tokens than a block holds, the mask's bound). Inputs are
         made outside inference mode, as the runner's are: dynamo guards on that too.
         """
         batch, width = block_tables.shape
+        num_sampled = len(logits_indices)
         if width < 2:
             block_tables = torch.cat([block_tables, torch.zeros_like(block_tables)], dim=1)
         if batch < 2:
             input_ids, positions, block_tables = input_ids.repeat(2), positions.repeat(2), block_tables.repeat(2, 1)
+            first_rows = torch.arange(2, device=first_rows.device)
+        if num_sampled < 2:
+            logits_indices = (logits_indices if num_sampled else torch.zeros_like(first_rows[:1])).repeat(2)[:2]
         with torch.inference_mode():
-            logits, greedy, new_kv = self._compiled(input_ids, positions, kv_pool, block_tables)
-        return logits[:batch], None if greedy is None else greedy[:batch], new_kv[:, :batch]
+            logits, greedy, new_kv = self._compiled(input_ids, positions, kv_pool, block_tables, first_rows,
+                                                    logits_indices)
+        return logits[:num_sampled], None if greedy is None else greedy[:num_sampled], new_kv[:, :batch]

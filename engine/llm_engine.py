@@ -58,7 +58,8 @@ class LLMEngine:
             graph = DecodeGraph(model, config.torch_device, decode_attention(config, hf.n_embd // hf.n_head),
                                 argmax_in_graph=native_draw is None)
         sampler = Sampler(config.seed, config.torch_device, compiled=graph is not None, native=native_draw)
-        self.runner = ModelRunner(model, num_blocks, config.block_size, sampler, config.compile_attention, graph)
+        self.runner = ModelRunner(model, num_blocks, config.block_size, sampler, config.compile_attention, graph,
+                                  config.graph_prefill_tokens)
         if graph is not None:
             self.runner.decode_graph = self._warm_up(graph)
         self._seqs: dict[str, Sequence] = {}

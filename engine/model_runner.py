@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -35,9 +36,10 @@ def _samples(seq: Sequence, num_new: int) -> bool:
 
 class ModelRunner:
     def __init__(self, model: GPT2LMHead, num_blocks: int, block_size: int, sampler: Sampler,
-                 fused_decode: bool = False, decode_graph: DecodeGraph | None = None):
+                 fused_decode: bool = False, decode_graph: DecodeGraph | None = None, graph_prefill_tokens: int = 0):
         self.model = model
         self.decode_graph = decode_graph
+        self.graph_prefill_tokens = graph_prefill_tokens  # EngineConfig's
         self.block_size = block_size
         self.fused_decode = fused_decode
         param = next(model.parameters())
@@ -66,31 +68,40 @@ class ModelRunner:
         order = sorted(range(len(batch.seqs)), key=lambda i: batch.num_new_tokens[i] > 1)
         seqs = [batch.seqs[i] for i in order]
         num_new = [batch.num_new_tokens[i] for i in order]
-        inputs = self._prepare(seqs, num_new)
         sampling = [s for s, n in zip(seqs, num_new) if _samples(s, n)]
         scoring = PromptScoring.of(seqs, num_new)
         indices = self._logits_indices(seqs, num_new)
         if scoring is not None:
             indices = torch.cat([self._tensor(scoring.flat_indices), indices])
-        logits, greedy = self._forward(inputs, indices)
+        logits, greedy = self._forward(seqs, num_new, indices, graph=scoring is None and self._fits_graph(num_new))
         num_scored = 0 if scoring is None else len(scoring.flat_indices)
         output = self._sample(sampling, logits[num_scored:], None if greedy is None else greedy[num_scored:])
         if scoring is not None:
             output.prompt_logprobs = scoring.logprobs(logits[:num_scored], self.device)
         return output
 
-    def _forward(self, inputs, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits of the rows `indices` picks; decode-only steps run the compiled graph where
-        there is one, which also gives each row's greedy token (None from the eager path), and
-        leaves the logits in the model's dtype (float32 from the eager path)."""
-        input_ids, positions, _, meta = inputs
-        if self.decode_graph is None or meta.prefill is not None:
-            return self.model(*inputs, logits_indices=indices), None
-        logits, greedy = self.decode_graph(input_ids, positions, self.kv_pool, meta.decode.block_tables,
-                                           meta.slot_mapping)
-        if len(indices) == len(input_ids):
-            return logits, greedy
-        return logits[indices], None if greedy is None else greedy[indices]
+    def _fits_graph(self, num_new: list[int]) -> bool:
+        """Decode steps, and steps of up to graph_prefill_tokens with prefill chunks among
+        them, take the compiled graph where there is one. A longer step's time is its
+        products, which the eager path runs as well, and the graph's attention reads a
+        chunk's rows one by one."""
+        if self.decode_graph is None:
+            return False
+        return all(n == 1 for n in num_new) or sum(num_new) <= self.graph_prefill_tokens
+
+    def _forward(self, seqs: list[Sequence], num_new: list[int], indices: torch.Tensor,
+                 graph: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits of the rows `indices` picks; on the compiled graph (`graph`), also each
+        row's greedy token (None from the eager path), and the logits in the model's dtype
+        (float32 from the eager path)."""
+        input_ids, positions, slots = self._flat_tokens(seqs, num_new)
+        if not graph:
+            meta = self._attention_metadata(seqs, num_new, slots)
+            return self.model(input_ids, positions, self.kv_caches, meta, logits_indices=indices), None
+        rows = [(seq, first) for seq, n, first in zip(seqs, num_new, itertools.accumulate([0] + num_new)) for _ in range(n)]
+        tables = self._block_tables([seq for seq, _ in rows])
+        first_rows = self._tensor([first for _, first in rows])
+        return self.decode_graph(input_ids, positions, self.kv_pool, tables, slots, first_rows, indices)
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor, greedy: torch.Tensor | None) -> ModelOutput:
         if not seqs:
@@ -105,7 +116,8 @@ class ModelRunner:
                 logprobs[row] = logprob
         return ModelOutput(seqs, tokens.tolist(), logprobs)
 
-    def _prepare(self, seqs: list[Sequence], num_new: list[int]):
+    def _flat_tokens(self, seqs: list[Sequence], num_new: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The step's tokens, their positions and their KV slots, sequence after sequence."""
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -114,16 +126,19 @@ class ModelRunner:
             input_ids += seq.token_ids[start : start + n]
             positions += range(start, start + n)
             slots += (seq.block_table[p // self.block_size] * self.block_size + p % self.block_size for p in range(start, start + n))
+        return self._tensor(input_ids), self._tensor(positions), self._tensor(slots)
+
+    def _attention_metadata(self, seqs: list[Sequence], num_new: list[int], slots: torch.Tensor) -> AttentionMetadata:
+        """The eager path's: decodes (one token each, first) in one group, prefill chunks in another."""
         num_decodes = sum(n == 1 for n in num_new)
-        meta = AttentionMetadata(
-            slot_mapping=self._tensor(slots),
+        return AttentionMetadata(
+            slot_mapping=slots,
             num_decodes=num_decodes,
             decode=self._decode_group(seqs[:num_decodes]) if num_decodes else None,
             prefill=self._prefill_group(seqs[num_decodes:], num_new[num_decodes:], num_decodes) if num_decodes < len(seqs) else None,
             fused_decode=self.fused_decode,
             native_write=self.decode_graph is not None and self.decode_graph.native_write,
         )
-        return self._tensor(input_ids), self._tensor(positions), self.kv_caches, meta
 
     def _decode_group(self, seqs: list[Sequence]) -> AttentionGroup:
         context_lens = self._tensor([s.num_computed_tokens + 1 for s in seqs])

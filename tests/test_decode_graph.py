@@ -1,7 +1,7 @@
-"""Decode-only steps through the compiled whole-forward graph (`compile_decode: true`) give
-what the eager reference path gives, checked the way vLLM checks kernels against HF: greedy
-tokens equal, or at the first divergence each side's token within the other's top 5, with
-the logprobs of the agreed tokens close. The one graph (and the sampler's draw) is compiled
+"""Steps through the compiled whole-forward graph (`compile_decode: true`), decodes and short
+steps with prefill chunks among them, give what the eager reference path gives, checked the
+way vLLM checks kernels against HF: greedy tokens equal, or at the first divergence each
+side's token within the other's top 5, with the logprobs of the agreed tokens close. The one graph (and the sampler's draw) is compiled
 while the engine is built, leaving no trace, and batches of one and of many then run on it
 without compiling."""
 
@@ -117,6 +117,55 @@ def test_compiled_decode_matches_the_eager_path_in_bf16(tiny_gpt2_dir):
     # Inductor's fused kernels keep LayerNorm, GELU and residuals in fp32 where eager rounds
     # each to bf16, so logits differ by a bf16 step or two (0.0625 at this model's logit size).
     compare(tiny_gpt2_dir, "bfloat16", "auto", atol=0.15)
+
+
+def record_steps(engine) -> list[list[int]]:
+    """Each step's tokens per sequence, as the runner is handed them."""
+    steps: list[list[int]] = []
+    run = engine.runner.run
+
+    def recording(batch):
+        steps.append(list(batch.num_new_tokens))
+        return run(batch)
+
+    engine.runner.run = recording
+    return steps
+
+
+def test_steps_with_short_prefill_chunks_take_the_graph_and_match_the_reference_path(tiny_gpt2_dir):
+    """With a 40-token step budget every step fits the graph: prompts alone, several in one
+    step, chunks of long prompts after their earlier chunks, chunks beside decodes, and a
+    prompt after a cached prefix; none compiles anything new."""
+    config = dict(weights="pretrained", dtype="float32", device="cpu", max_num_batched_tokens=40, max_num_seqs=8)
+    fast = LLM(str(tiny_gpt2_dir), compile_decode=True, **config)
+    compiled = num_compiled_graphs()
+    steps = record_steps(fast.engine)
+    reference = LLM(str(tiny_gpt2_dir), linears="reference", **config)
+    prompts = mixed_prompts(12)  # 1 to 120 tokens
+    prompts.append(prompts[7][:96] + [11, 12, 13])  # shares six blocks with the 120-token prompt
+    ours = fast.generate(prompts[:12], GREEDY_TOP5) + fast.generate(prompts[12:], GREEDY_TOP5)
+    expected = reference.generate(prompts[:12], GREEDY_TOP5) + reference.generate(prompts[12:], GREEDY_TOP5)
+    for fast_output, reference_output in zip(ours, expected):
+        assert_logprobs_close(fast_output, reference_output, atol=1e-3)
+    assert fast.engine.runner.decode_graph.num_steps == len(steps)  # every step took the graph
+    assert any(1 in step and max(step) > 1 for step in steps)  # decodes beside a chunk among them
+    assert all(sum(step) <= 40 for step in steps)  # so the 48- to 120-token prompts went in chunks
+    assert fast.engine.block_manager.num_prefix_hit_tokens >= 96  # the last prompt prefilled after its prefix
+    assert num_compiled_graphs() == compiled
+    fast.engine.check_integrity()
+
+
+def test_a_step_past_graph_prefill_tokens_runs_eagerly(tiny_gpt2_dir):
+    fast = LLM(str(tiny_gpt2_dir), weights="pretrained", dtype="float32", device="cpu", compile_decode=True,
+               graph_prefill_tokens=16)
+    steps = record_steps(fast.engine)
+    prompts = mixed_prompts(4)  # 1, 3, 7 and 16 tokens
+    fast.generate([prompts[3]], GREEDY_TOP5)  # 16 tokens: the graph
+    fast.generate([[5] + prompts[3]], GREEDY_TOP5)  # 17, none cached: eager
+    assert steps[0] == [16] and steps[16] == [17]
+    assert fast.engine.runner.decode_graph.num_steps == len(steps) - 1  # all but the 17-token prefill
+    with pytest.raises(ValueError, match="graph_prefill_tokens must be an integer >= 0"):
+        EngineConfig(graph_prefill_tokens=-1)
 
 
 def test_a_graph_that_cannot_compile_leaves_decode_steps_eager(tiny_gpt2_dir, monkeypatch, caplog):

@@ -38,11 +38,17 @@ class GPT2Block(nn.Module):
         return self._mlp(linear_add(self.attn_out, attn.flatten(1), h))
 
     def decode(self, h: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], block_tables: torch.Tensor,
-               context_lens: torch.Tensor, attention: DecodeAttention) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One token per sequence, the pools read and left unwritten: (h, this step's k, v)."""
+               context_lens: torch.Tensor, attention: DecodeAttention,
+               first_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A step's rows, the pools read and left unwritten: (h, this step's k, v). Each row
+        attends to its context_lens cached tokens and to this step's rows from first_rows (its
+        chunk's first; None: each row alone, a decode) up to itself."""
         qkv = self.attn_qkv(self.ln_1(h)).view(h.shape[0], 3, self.num_heads, self.head_dim)
         q, k, v = qkv.unbind(1)
-        attn = attention(q, k, v, kv_cache[0], kv_cache[1], block_tables, context_lens)
+        if first_rows is None:
+            attn = attention(q, k, v, kv_cache[0], kv_cache[1], block_tables, context_lens)
+        else:
+            attn = attention(q, k, v, kv_cache[0], kv_cache[1], block_tables, context_lens, first_rows)
         return self._mlp(linear_add(self.attn_out, attn.flatten(1), h)), k, v
 
     def _mlp(self, h: torch.Tensor) -> torch.Tensor:
@@ -81,17 +87,27 @@ class GPT2LMHead(nn.Module):
 
     def decode(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                block_tables: torch.Tensor, attention: DecodeAttention = decode_attention_with_own,
+               first_rows: torch.Tensor | None = None, logits_indices: torch.Tensor | None = None,
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """A decode-only step as one pure function (what engine/decode_graph.py compiles): one
-        token per sequence at `positions` (its number of cached tokens) in; logits [B, vocab]
-        in the model's dtype and every layer's k, v [n_layer, B, H, D], still to be written, out.
-        `attention` is decode_attention_with_own or its C++ kernel (engine/native_attention.py)."""
+        """A step as one pure function (what engine/decode_graph.py compiles): tokens [T] at
+        `positions`, each row with its sequence's block table, in; logits in the model's dtype
+        (of the rows logits_indices picks, or of every row) and every layer's k, v
+        [n_layer, T, H, D], still to be written, out. Without first_rows every row is a decode
+        (one token per sequence, its position its number of cached tokens); with them, row b
+        belongs to the chunk of one sequence's new tokens that starts at row first_rows[b], so
+        it has position - (b - first_rows[b]) tokens cached. `attention` is
+        decode_attention_with_own or its C++ kernel (engine/native_attention.py)."""
         h = self.wte(input_ids) + self.wpe(positions)
+        context_lens = positions
+        if first_rows is not None:
+            context_lens = positions - (torch.arange(len(positions), device=positions.device) - first_rows)
         new_keys, new_values = [], []
         for block, kv_cache in zip(self.h, kv_caches):
-            h, k, v = block.decode(h, kv_cache, block_tables, positions, attention)
+            h, k, v = block.decode(h, kv_cache, block_tables, context_lens, attention, first_rows)
             new_keys.append(k)
             new_values.append(v)
+        if logits_indices is not None:
+            h = h[logits_indices]
         return self._logits(self.ln_f(h)), torch.stack(new_keys), torch.stack(new_values)
 
     def pack_linears(self, few_rows: bool = False) -> None:
