@@ -96,6 +96,16 @@ class BlockManager:
             seq.block_hashes.append(prev_hash)
         return seq.num_blocks * self.block_size
 
+    def prompt_hashes(self, seq: Sequence) -> list[int]:
+        """The keys of the prompt's full blocks that a lookup would try (the last token's
+        block never), first block first; kept on the sequence after the first call."""
+        if seq.prompt_hashes is None:
+            hashes: list[int] = []
+            for index in range((seq.num_prompt_tokens - 1) // self.block_size):
+                hashes.append(chain_hash(hashes[-1] if hashes else None, tuple(seq.block_tokens(index))))
+            seq.prompt_hashes = hashes
+        return seq.prompt_hashes
+
     def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         self.num_prefix_queried_tokens += num_tokens
         self.num_prefix_hit_tokens += num_hit_tokens

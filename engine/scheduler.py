@@ -7,6 +7,11 @@ the budget is prefilled in chunks over several steps, so it never stalls running
 for more than one step's worth of tokens. When a running sequence needs a block and none is
 free, the newest not-yet-scheduled running sequence is preempted: its blocks are freed and
 it goes back to the front of the waiting queue, to be recomputed later.
+
+A waiting prompt whose leading blocks another prompt is computing right now (admitted this
+step, or prefilling in chunks) and no cache holds yet waits, in its place in the queue, until
+they are in the prefix cache, rather than computing them a second time: a burst of requests
+on one new system prompt computes it once (those behind it are admitted meanwhile).
 """
 
 from __future__ import annotations
@@ -17,6 +22,10 @@ from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.sequence import Sequence, SequenceStatus
+
+# Leading blocks a waiting prompt must share with one being computed to wait for it: a step
+# of latency for it, against computing them twice.
+MIN_SHARED_BLOCKS_TO_WAIT = 2
 
 
 @dataclass
@@ -63,11 +72,46 @@ class Scheduler:
                 break
             if seq.status is SequenceStatus.RUNNING and self._schedule_running(seq, batch, budget):
                 budget -= batch.num_new_tokens[-1]
+        in_flight = self._blocks_in_flight()
+        deferred: list[Sequence] = []
         while budget > 0 and self.waiting and len(self.running) < self.max_num_seqs:
-            if not self._admit(self.waiting[0], batch, budget):
+            seq = self.waiting[0]
+            if self._waits_for_blocks(seq, in_flight):
+                deferred.append(self.waiting.popleft())
+                continue
+            if not self._admit(seq, batch, budget):
                 break
             budget -= batch.num_new_tokens[-1]
+            in_flight.update(self._uncommitted_prompt_blocks(seq))
+        self.waiting.extendleft(reversed(deferred))
         return batch
+
+    def _blocks_in_flight(self) -> set[int]:
+        """Keys of prompt blocks that running sequences are computing and have not cached yet."""
+        in_flight: set[int] = set()
+        if self.block_manager.enable_prefix_caching:
+            for seq in self.running:
+                if seq.num_computed_tokens < seq.num_prompt_tokens:
+                    in_flight.update(self._uncommitted_prompt_blocks(seq))
+        return in_flight
+
+    def _uncommitted_prompt_blocks(self, seq: Sequence) -> list[int]:
+        if not self.block_manager.enable_prefix_caching:
+            return []
+        return self.block_manager.prompt_hashes(seq)[len(seq.block_hashes):]
+
+    def _waits_for_blocks(self, seq: Sequence, in_flight: set[int]) -> bool:
+        """Whether seq's prompt, past what the cache holds, begins with at least
+        MIN_SHARED_BLOCKS_TO_WAIT blocks that are being computed now."""
+        if not in_flight or seq.needs_prompt_logprobs:  # a prompt scored takes no cached blocks
+            return False
+        cached, shared = self.block_manager.hash_to_block_id, 0
+        for block_hash in self.block_manager.prompt_hashes(seq):
+            if block_hash in in_flight:
+                shared += 1
+            elif block_hash not in cached or shared:
+                break
+        return shared >= MIN_SHARED_BLOCKS_TO_WAIT
 
     def _schedule_running(self, seq: Sequence, batch: ScheduledBatch, budget: int) -> bool:
         num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)

@@ -54,6 +54,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # chained hashes of the full, computed blocks
+        self.prompt_hashes: list[int] | None = None  # of the prompt's blocks (BlockManager.prompt_hashes)
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
         self.finish_reason: str | None = None
         self.timings = RequestTimings(arrival=time.monotonic())

@@ -55,6 +55,30 @@ def test_prefix_cache_hits_match_hf(tiny_gpt2_dir, references):
     assert llm.engine.stats().prefix_cache_hit_rate > 0.3
 
 
+def test_a_burst_on_one_new_prefix_computes_it_once_and_matches_hf(tiny_gpt2_dir, references):
+    """Three prompts sharing three blocks arrive together: the first computes them, the other
+    two wait a step and take them from the cache; a prompt sharing nothing is not held back."""
+    llm = make_llm(tiny_gpt2_dir)
+    steps: list[list[int]] = []
+    run = llm.engine.runner.run
+    llm.engine.runner.run = lambda batch: steps.append(list(batch.num_new_tokens)) or run(batch)
+    assert_matches(llm, shared_prefix_prompts() + mixed_prompts(5)[4:], references)  # + a 17-token prompt
+    assert steps[0] == [53, 17]  # the first shared prompt and the unrelated one
+    assert sorted(steps[1]) == [1, 1, 3, 32]  # their decodes; the two others past the 48 cached tokens
+    assert llm.engine.block_manager.num_prefix_hit_tokens == 2 * 48
+
+
+def test_a_prompt_sharing_one_block_in_flight_does_not_wait(tiny_gpt2_dir, hf_fp32):
+    llm = make_llm(tiny_gpt2_dir)
+    steps: list[list[int]] = []
+    run = llm.engine.runner.run
+    llm.engine.runner.run = lambda batch: steps.append(list(batch.num_new_tokens)) or run(batch)
+    prompts = [list(range(1000, 1020)), list(range(1000, 1016)) + [5, 6, 7, 8]]  # one block in common
+    outputs = llm.generate(prompts, GREEDY)
+    assert steps[0] == [20, 20]
+    assert [o.token_ids for o in outputs] == [hf_greedy(hf_fp32, p, MAX_TOKENS) for p in prompts]
+
+
 def test_chunked_prefill_matches_hf(tiny_gpt2_dir, references):
     llm = make_llm(tiny_gpt2_dir, max_num_batched_tokens=16, max_num_seqs=4)
     assert_matches(llm, mixed_prompts(12), references)
