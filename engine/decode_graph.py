@@ -84,16 +84,12 @@ class DecodeGraph:
         self.num_steps = 0  # steps run through the graph
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_pool: torch.Tensor,
-                 block_tables: torch.Tensor, slot_mapping: torch.Tensor, first_rows: torch.Tensor | None = None,
-                 logits_indices: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 block_tables: torch.Tensor, slot_mapping: torch.Tensor, first_rows: torch.Tensor,
+                 logits_indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits [S, vocab] in the model's dtype and greedy tokens [S] (None unless
-        argmax_in_graph) of the rows logits_indices picks (every row by default); rows one
-        token each, each chunk's from first_rows (each row alone by default). The pool holds
-        this step's k, v after."""
-        rows = torch.arange(len(input_ids), device=input_ids.device)
-        logits, greedy, new_kv = self._run(input_ids, positions, kv_pool, block_tables,
-                                           rows if first_rows is None else first_rows,
-                                           rows if logits_indices is None else logits_indices)
+        argmax_in_graph) of the rows logits_indices picks; rows one token each, each chunk's
+        from first_rows (a decode's is its own row). The pool holds this step's k, v after."""
+        logits, greedy, new_kv = self._run(input_ids, positions, kv_pool, block_tables, first_rows, logits_indices)
         self.num_steps += 1
         with torch.inference_mode():
             write_new_kv(kv_pool, new_kv, slot_mapping, self.native_write)

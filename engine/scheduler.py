@@ -89,10 +89,9 @@ class Scheduler:
     def _blocks_in_flight(self) -> set[int]:
         """Keys of prompt blocks that running sequences are computing and have not cached yet."""
         in_flight: set[int] = set()
-        if self.block_manager.enable_prefix_caching:
-            for seq in self.running:
-                if seq.num_computed_tokens < seq.num_prompt_tokens:
-                    in_flight.update(self._uncommitted_prompt_blocks(seq))
+        for seq in self.running:
+            if seq.num_computed_tokens < seq.num_prompt_tokens:
+                in_flight.update(self._uncommitted_prompt_blocks(seq))
         return in_flight
 
     def _uncommitted_prompt_blocks(self, seq: Sequence) -> list[int]:

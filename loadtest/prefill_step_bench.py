@@ -70,7 +70,7 @@ def main() -> None:
     args = parser.parse_args()
     engine = LLMEngine(EngineConfig(model=args.model, weights=args.weights, dtype=args.dtype, device="cpu",
                                     compile_decode=True, enable_prefix_caching=False))
-    vocab_size = engine.runner.model.config.vocab_size
+    vocab_size = engine.model_info.vocab_size
     times: dict[tuple[str, str], list[float]] = {}
     request_ids = (f"p{i}" for i in itertools.count())
     for rounds in range(args.rounds):

@@ -73,7 +73,8 @@ def own_token_batch(dtype: torch.dtype):
 
 
 def reference_with_own(qkv, k_cache, v_cache, tables, context_lens) -> torch.Tensor:
-    """The gathering path after writing each query's own k, v to its next slot."""
+    """The gathering path after writing each row's k, v to its slot at context_lens (its position),
+    each row attending to its table's tokens up to it: a decode's or a prefill chunk's row."""
     k_cache, v_cache = k_cache.clone(), v_cache.clone()
     rows = torch.arange(len(tables))
     blocks = tables[rows, context_lens // BLOCK_SIZE]
@@ -112,17 +113,6 @@ def chunked_batch(dtype: torch.dtype):
     return qkv, k_cache, v_cache, tables, positions, first_rows
 
 
-def chunked_reference(qkv, k_cache, v_cache, tables, positions) -> torch.Tensor:
-    """The gathering path after writing every row's k, v to its slot: each row attends to
-    its sequence's tokens up to its own position."""
-    k_cache, v_cache = k_cache.clone(), v_cache.clone()
-    blocks = tables[torch.arange(len(tables)), positions // BLOCK_SIZE]
-    k_cache[:, blocks, positions % BLOCK_SIZE] = qkv[:, 1].transpose(0, 1)
-    v_cache[:, blocks, positions % BLOCK_SIZE] = qkv[:, 2].transpose(0, 1)
-    mask = torch.arange(tables.shape[1] * BLOCK_SIZE)[None, :] <= positions[:, None]
-    return eager_reference(qkv[:, 0], k_cache, v_cache, tables, mask)
-
-
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_prefill_chunk_rows_attend_causally_to_their_chunk(dtype, atol):
     """Rows of a prefill chunk, beside decodes: each sees its cached tokens and its chunk's
@@ -130,7 +120,7 @@ def test_prefill_chunk_rows_attend_causally_to_their_chunk(dtype, atol):
     kernel = native_attention.load()
     qkv, k_cache, v_cache, tables, positions, first_rows = chunked_batch(dtype)
     cached = positions - (torch.arange(len(positions)) - first_rows)
-    expected = chunked_reference(qkv, k_cache, v_cache, tables, positions)
+    expected = reference_with_own(qkv, k_cache, v_cache, tables, positions)  # each row's k, v at its position
     for attention in (kernel, decode_attention_with_own):
         ours = attention(qkv[:, 0], qkv[:, 1], qkv[:, 2], k_cache, v_cache, tables, cached, first_rows)
         torch.testing.assert_close(ours, expected, atol=atol, rtol=atol)

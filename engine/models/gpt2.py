@@ -45,10 +45,7 @@ class GPT2Block(nn.Module):
         chunk's first; None: each row alone, a decode) up to itself."""
         qkv = self.attn_qkv(self.ln_1(h)).view(h.shape[0], 3, self.num_heads, self.head_dim)
         q, k, v = qkv.unbind(1)
-        if first_rows is None:
-            attn = attention(q, k, v, kv_cache[0], kv_cache[1], block_tables, context_lens)
-        else:
-            attn = attention(q, k, v, kv_cache[0], kv_cache[1], block_tables, context_lens, first_rows)
+        attn = attention(q, k, v, kv_cache[0], kv_cache[1], block_tables, context_lens, first_rows)
         return self._mlp(linear_add(self.attn_out, attn.flatten(1), h)), k, v
 
     def _mlp(self, h: torch.Tensor) -> torch.Tensor:
