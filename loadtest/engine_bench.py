@@ -75,11 +75,13 @@ def hf_model(config: EngineConfig) -> GPT2LMHeadModel:
 
 
 def run_hf(model: GPT2LMHeadModel, prompts: list[list[int]], max_tokens: int) -> Result:
-    input_ids = torch.tensor(prompts)
+    input_ids = torch.tensor(prompts, device=model.device)
     start = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_tokens,
                              min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
+    if out.is_cuda:
+        torch.cuda.synchronize()
     num_tokens = (out.shape[1] - input_ids.shape[1]) * out.shape[0]
     return Result("HF generate (static batch)", num_tokens, time.perf_counter() - start)
 
@@ -92,15 +94,19 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--compile-decode", action="store_true", help="decode steps through the compiled graph")
     parser.add_argument("--skip-hf", action="store_true")
     args = parser.parse_args()
 
-    config = EngineConfig(model=args.model, weights="random", dtype=args.dtype, device=args.device)
+    config = EngineConfig(model=args.model, weights="random", dtype=args.dtype, device=args.device,
+                          max_num_seqs=args.max_num_seqs, max_num_batched_tokens=max(512, args.max_num_seqs),
+                          compile_decode=args.compile_decode)
     engine = LLMEngine(config)
     prompts = make_prompts(args.num_requests, args.prompt_len, engine.model_info.vocab_size)
     run_engine(engine, prompts[:4], 4)  # warm-up
     print(f"model={args.model} dtype={args.dtype} device={args.device} threads={torch.get_num_threads()} "
-          f"requests={args.num_requests} prompt_len={args.prompt_len} max_tokens={args.max_tokens}")
+          f"compile_decode={args.compile_decode} requests={args.num_requests} prompt_len={args.prompt_len} max_tokens={args.max_tokens}")
     results = [run_engine(engine, prompts, args.max_tokens)]
     single = decode_ms_per_token(engine, prompts[0], args.max_tokens)
     if not args.skip_hf:
