@@ -8,6 +8,8 @@ fresh local Ray (so every setup starts with empty prefix caches):
                     so that router designs run side by side
     serve-default   the same with Serve's default router (PowerOfTwoChoicesRequestRouter)
     one-replica     1 engine replica with all the engine CPUs of the two (2x the threads)
+    single-replica  1 engine replica with one replica's CPUs: what a second replica adds to,
+                    on a machine with the cores for both (`--num-cpus`, `--app-arg engine_num_cpus=4`)
 
     python -m loadtest.scale_bench --config configs/scale-out.yaml --workload shared \\
         --setups prefix-router,serve-default --weights random --engine num_kv_blocks=160
@@ -40,7 +42,7 @@ from loadtest.prefix_workloads import PrefixWorkload, ReplicaCounts, engine_repl
 from loadtest.results import BenchResult
 
 SERVE_DEFAULT_ROUTER = "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter"
-SETUPS = ("prefix-router", "serve-default", "one-replica")
+SETUPS = ("prefix-router", "serve-default", "one-replica", "single-replica")
 BLOCK_SIZE = 16
 _STATS_PERIOD = "request_routing_stats_period_s"
 # The router's own defaults, for a config that leaves a kwarg out.
@@ -100,25 +102,27 @@ def app_from_config(config_path: Path, setup: str, overrides: dict) -> serve.App
         router["request_router_kwargs"] = {**router.get("request_router_kwargs", {}), **router_kwargs}
     if setup == "serve-default":
         engine["request_router_config"] = {"request_router_class": SERVE_DEFAULT_ROUTER}
-    elif setup == "one-replica":
+    elif setup in ("one-replica", "single-replica"):
         replicas = engine.pop("num_replicas", 2)
-        args["engine_num_cpus"] = args.get("engine_num_cpus", 0.5) * replicas
+        if setup == "one-replica":
+            args["engine_num_cpus"] = args.get("engine_num_cpus", 0.5) * replicas
         engine.update(num_replicas=1, request_router_config={"request_router_class": SERVE_DEFAULT_ROUTER})
     return make_app(args, options)
 
 
-def run_setup(config_path: Path, setup: str, overrides: dict, workload: PrefixWorkload, port: int) -> SetupResult:
+def run_setup(config_path: Path, setup: str, overrides: dict, workload: PrefixWorkload, port: int,
+              num_cpus: int = 2) -> SetupResult:
     with tempfile.TemporaryDirectory() as load_log_dir:
         os.environ[LOAD_LOG_DIR_ENV] = load_log_dir  # the local Ray's workers inherit it
         try:
-            return _run_setup(config_path, setup, overrides, workload, port, Path(load_log_dir))
+            return _run_setup(config_path, setup, overrides, workload, port, Path(load_log_dir), num_cpus)
         finally:
             del os.environ[LOAD_LOG_DIR_ENV]
 
 
 def _run_setup(config_path: Path, setup: str, overrides: dict, workload: PrefixWorkload, port: int,
-               load_log_dir: Path) -> SetupResult:
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+               load_log_dir: Path, num_cpus: int) -> SetupResult:
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(app_from_config(config_path, setup, overrides), name="rayinfer", route_prefix="/")
@@ -182,6 +186,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--weights", default=None, help="override the config's weights (auto|pretrained|random)")
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--engine", action="append", default=[], metavar="KEY=INT", help="an EngineConfig override")
+    parser.add_argument("--app-arg", action="append", default=[], metavar="KEY=YAML",
+                        help="an app arg override, e.g. engine_num_cpus=4 or device=cpu")
+    parser.add_argument("--num-cpus", type=int, default=2, help="the local Ray's CPUs")
     parser.add_argument("--port", type=int, default=8000)
     for name, default in (("num-requests", 96), ("num-prefixes", 12), ("prefix-tokens", 256),
                           ("suffix-tokens", 16), ("max-tokens", 16), ("concurrency", 8), ("seed", 0)):
@@ -195,13 +202,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     workload = PrefixWorkload(args.workload, args.num_requests, args.num_prefixes, args.prefix_tokens,
                               args.suffix_tokens, args.max_tokens, args.concurrency, args.hot_share, args.seed)
     overrides = {k: v for k, v in (("model", args.model), ("weights", args.weights), ("dtype", args.dtype)) if v}
+    overrides.update({key: yaml.safe_load(value) for key, value in (item.split("=", 1) for item in args.app_arg)})
     overrides["engine"] = {key: int(value) for key, value in (item.split("=", 1) for item in args.engine)}
     setups = args.setups.split(",")
     for setup in setups:
         parse_setup(setup)  # a misspelt setup fails before the first one runs
     results = []
     for setup in setups:
-        results.append(run_setup(args.config, setup, overrides, workload, args.port))
+        results.append(run_setup(args.config, setup, overrides, workload, args.port, args.num_cpus))
     print(f"workload: {workload}")
     print(table(results))
     return 1 if any(r.bench.failures for r in results) else 0
