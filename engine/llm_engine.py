@@ -57,7 +57,11 @@ class LLMEngine:
         if config.decode_compiled:
             graph = DecodeGraph(model, config.torch_device, decode_attention(config, hf.n_embd // hf.n_head),
                                 argmax_in_graph=native_draw is None)
-        sampler = Sampler(config.seed, config.torch_device, compiled=graph is not None, native=native_draw)
+        # On CUDA the draw stays eager: ATen's argmax, sort and cumsum are GPU kernels already,
+        # and inductor (torch 2.11, H100) cannot generate the compiled draw: it fuses the argmax
+        # into the cumsum's split-scan kernel ("NYI TritonSplitDimKernel reductions").
+        compiled_draw = graph is not None and config.torch_device.type == "cpu"
+        sampler = Sampler(config.seed, config.torch_device, compiled=compiled_draw, native=native_draw)
         self.runner = ModelRunner(model, num_blocks, config.block_size, sampler, config.compile_attention, graph,
                                   config.graph_prefill_tokens)
         if graph is not None:
@@ -182,16 +186,23 @@ class LLMEngine:
 
     def _warm_up(self, graph: DecodeGraph) -> DecodeGraph | None:
         """The graph and the sampler's draw compiled now, not inside the first requests; None
-        (eager decode steps and sampling, logged) where they cannot compile here, e.g. no C++
-        compiler for inductor."""
+        (eager decode steps and sampling, logged) where the graph cannot compile here, e.g. no
+        C++ compiler for inductor. A draw that cannot compile alone runs eagerly beside the graph."""
         try:
             graph.warm_up(self.runner.kv_pool, min(self.config.max_num_seqs, _TYPICAL_DECODE_BATCH))
-            self.runner.sampler.warm_up(self.model_info.vocab_size)
         except Exception as exc:  # noqa: BLE001 - any compile failure: serve on the eager path
             logger.warning("compile_decode: the decode graph did not compile (%r); decode steps run eagerly", exc)
-            self.runner.sampler = Sampler(self.config.seed, self.config.torch_device, native=self.runner.sampler.native)
+            self._eager_sampler()
             return None
+        try:
+            self.runner.sampler.warm_up(self.model_info.vocab_size)
+        except Exception as exc:  # noqa: BLE001 - as the graph's
+            logger.warning("compile_decode: the sampler's draw did not compile (%r); it runs on eager torch ops", exc)
+            self._eager_sampler()
         return graph
+
+    def _eager_sampler(self) -> None:
+        self.runner.sampler = Sampler(self.config.seed, self.config.torch_device, native=self.runner.sampler.native)
 
     def _num_kv_blocks(self, model: GPT2LMHead) -> int:
         config = self.config

@@ -14,6 +14,7 @@ from engine import LLM, EngineConfig, SamplingParams, native, native_attention
 from engine.attention import decode_attention_with_own, write_kv
 from engine.cpu import cpu_features
 from engine.decode_graph import DecodeGraph, write_new_kv
+from engine.sampler import Sampler
 from tests.engine_helpers import mixed_prompts
 
 GREEDY_TOP5 = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=5)
@@ -181,6 +182,28 @@ def test_a_graph_that_cannot_compile_leaves_decode_steps_eager(tiny_gpt2_dir, mo
     prompts = mixed_prompts(3)
     assert [o.token_ids for o in fast.generate(prompts, GREEDY_TOP5)] == \
         [o.token_ids for o in reference.generate(prompts, GREEDY_TOP5)]
+
+
+def test_a_draw_that_cannot_compile_runs_eagerly_beside_the_graph(tiny_gpt2_dir, monkeypatch, caplog):
+    warm_up = Sampler.warm_up
+
+    def inductor_fails(sampler, vocab_size):
+        if sampler.is_compiled:  # the fault: what inductor raised on CUDA for the draw alone
+            raise NotImplementedError("NYI TritonSplitDimKernel reductions")
+        warm_up(sampler, vocab_size)
+
+    monkeypatch.setattr(Sampler, "warm_up", inductor_fails)
+    config = dict(weights="pretrained", dtype="float32", device="cpu", linears="reference", sampler="torch")
+    fast = LLM(str(tiny_gpt2_dir), compile_decode=True, **config)
+    assert fast.engine.runner.decode_graph is not None and not fast.engine.runner.sampler.is_compiled
+    assert "the sampler's draw did not compile" in caplog.text
+    reference = LLM(str(tiny_gpt2_dir), **config)
+    prompts = mixed_prompts(3)
+    sampled = SamplingParams(max_tokens=8, temperature=0.8, seed=1, ignore_eos=True)
+    for params in (GREEDY_TOP5, sampled):
+        assert [o.token_ids for o in fast.generate(prompts, params)] == \
+            [o.token_ids for o in reference.generate(prompts, params)]
+    assert fast.engine.runner.decode_graph.num_steps > 0
 
 
 def test_an_attention_kernel_that_cannot_build_falls_back_to_the_expression(tiny_gpt2_dir, monkeypatch, caplog):
