@@ -1,4 +1,7 @@
-"""The CUDA path runs the same code as the CPU path (skipped without a GPU)."""
+"""The CUDA path runs the same code as the CPU path (skipped without a GPU): its eager steps
+token-exact with Hugging Face (on the CPU) in fp32 whatever the batching does, and the
+compiled graph (inductor's Triton kernels, the attention expression reading the pools in
+place) checked against the eager steps in both dtypes, as on CPU (tests/test_decode_graph.py)."""
 
 from __future__ import annotations
 
@@ -6,23 +9,67 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.attention import decode_attention_with_own
 from tests.engine_helpers import hf_greedy, hf_model, mixed_prompts
+from tests.test_decode_graph import GREEDY_TOP5, assert_logprobs_close, num_compiled_graphs, record_steps
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
 ]
 
+GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+
+
+def shared_prefix_prompts() -> list[list[int]]:
+    prefix = list(range(1000, 1050))  # three full blocks of 16
+    return [prefix + [7, 8, 9], prefix + [11], prefix + list(range(2000, 2030))]
+
+
+def assert_matches_hf(llm: LLM, hf, prompts: list[list[int]]) -> None:
+    for prompt, out in zip(prompts, llm.generate(prompts, GREEDY)):
+        assert out.token_ids == hf_greedy(hf, prompt, 16), f"prompt of {len(prompt)} tokens diverged"
+    llm.engine.check_integrity()
+    assert llm.engine.stats().num_kv_blocks_used == 0
+
 
 def test_cuda_greedy_matches_hf_on_cpu_in_fp32(tiny_gpt2_dir):
     llm = LLM(str(tiny_gpt2_dir), weights="pretrained", dtype="float32", device="cuda")
     assert llm.engine.model_info.device.startswith("cuda")
+    assert_matches_hf(llm, hf_model(tiny_gpt2_dir), mixed_prompts(8))
+
+
+def test_cuda_prefix_hits_chunks_and_preemption_match_hf(tiny_gpt2_dir):
+    # 12 blocks of 16 tokens for 8 prompts of up to 120 tokens, 32 tokens a step: sequences
+    # are preempted and recomputed, long prompts prefilled in chunks beside decodes.
     hf = hf_model(tiny_gpt2_dir)
-    prompts = mixed_prompts(8)
-    outputs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
-    for prompt, out in zip(prompts, outputs):
-        assert out.token_ids == hf_greedy(hf, prompt, 16)
-    assert llm.engine.stats().num_kv_blocks_used == 0
+    llm = LLM(str(tiny_gpt2_dir), weights="pretrained", dtype="float32", device="cuda",
+              num_kv_blocks=12, max_num_batched_tokens=32, max_num_seqs=8)
+    assert_matches_hf(llm, hf, [p for p in mixed_prompts(12) if len(p) + 16 <= 12 * 16][:8])
+    assert llm.engine.stats().num_preemptions > 0
+    assert_matches_hf(llm, hf, shared_prefix_prompts()[:1])
+    assert_matches_hf(llm, hf, shared_prefix_prompts())
+    assert llm.engine.block_manager.num_prefix_hit_tokens >= 2 * 48
+
+
+@pytest.mark.parametrize("dtype, atol", [("float32", 1e-3), ("bfloat16", 0.15)])
+def test_cuda_compiled_graph_matches_the_eager_path(tiny_gpt2_dir, dtype: str, atol: float):
+    """Every step on the graph (a 40-token budget): decodes, prompts alone and together,
+    chunks of long prompts beside decodes; nothing compiles after startup."""
+    config = dict(weights="pretrained", dtype=dtype, device="cuda", max_num_batched_tokens=40, max_num_seqs=8)
+    fast = LLM(str(tiny_gpt2_dir), compile_decode=True, **config)
+    assert fast.engine.runner.decode_graph.attention is decode_attention_with_own  # auto on CUDA
+    compiled = num_compiled_graphs()
+    steps = record_steps(fast.engine)
+    eager = LLM(str(tiny_gpt2_dir), **config)
+    prompts = mixed_prompts(12)
+    ours = [fast.generate([p], GREEDY_TOP5)[0] for p in prompts[:2]] + fast.generate(prompts, GREEDY_TOP5)
+    expected = [eager.generate([p], GREEDY_TOP5)[0] for p in prompts[:2]] + eager.generate(prompts, GREEDY_TOP5)
+    for fast_output, eager_output in zip(ours, expected):
+        assert_logprobs_close(fast_output, eager_output, atol)
+    assert fast.engine.runner.decode_graph.num_steps == len(steps)
+    assert num_compiled_graphs() == compiled
+    fast.engine.check_integrity()
 
 
 def test_cuda_auto_dtype_and_seeded_sampling(tiny_gpt2_dir):
