@@ -67,6 +67,8 @@ def test_cuda_compiled_graph_matches_the_eager_path(tiny_gpt2_dir, dtype: str, a
     expected = [eager.generate([p], GREEDY_TOP5)[0] for p in prompts[:2]] + eager.generate(prompts, GREEDY_TOP5)
     for fast_output, eager_output in zip(ours, expected):
         assert_logprobs_close(fast_output, eager_output, atol)
+    sampled = fast.generate(prompts[:3], SamplingParams(max_tokens=8, temperature=0.8, seed=1, ignore_eos=True))
+    assert all(len(output.token_ids) == 8 for output in sampled)  # the draw beside the graph (eager on CUDA)
     assert fast.engine.runner.decode_graph.num_steps == len(steps)
     assert num_compiled_graphs() == compiled
     fast.engine.check_integrity()
