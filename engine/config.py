@@ -87,6 +87,11 @@ class EngineConfig:
     max_waiting_requests: int | None = None
     max_waiting_tokens: int | None = None
     num_threads: int | None = None  # torch CPU threads; None = every core this process may use
+    # Steps of at most this many tokens (decodes of one or a few streams) run on one torch
+    # thread, the rest on num_threads: in a server the other processes on the engine's cores
+    # stall a small step's OpenMP barriers more than a second thread speeds it up
+    # (engine/step_threads.py, BENCHMARKS.md session 14). 0: every step on num_threads.
+    one_thread_max_tokens: int = 0
 
     def __post_init__(self) -> None:
         check_weights_mode(self.weights)
@@ -106,8 +111,9 @@ class EngineConfig:
         _require_positive("max_num_batched_tokens", self.max_num_batched_tokens)
         if self.num_kv_blocks is not None:
             _require_positive("num_kv_blocks", self.num_kv_blocks)
-        if not (isinstance(self.graph_prefill_tokens, int) and self.graph_prefill_tokens >= 0):
-            raise ValueError(f"graph_prefill_tokens must be an integer >= 0, got {self.graph_prefill_tokens!r}")
+        for name in ("graph_prefill_tokens", "one_thread_max_tokens"):
+            if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 0):
+                raise ValueError(f"{name} must be an integer >= 0, got {getattr(self, name)!r}")
         for name in ("max_waiting_requests", "max_waiting_tokens"):
             if getattr(self, name) is not None:
                 _require_positive(name, getattr(self, name))

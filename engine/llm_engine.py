@@ -24,6 +24,7 @@ from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence
+from engine.step_threads import StepThreads
 
 logger = logging.getLogger(__name__)
 
@@ -36,8 +37,10 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         limit_onednn_caches()
-        if config.torch_device.type == "cpu":
+        is_cpu = config.torch_device.type == "cpu"
+        if is_cpu:
             torch.set_num_threads(config.cpu_threads)
+        self.step_threads = StepThreads(config.cpu_threads, config.one_thread_max_tokens if is_cpu else 0)
         source = resolve_model(config.model, config.weights)
         model = build_model(source, config.torch_dtype, config.torch_device, config.seed, config.linears,
                             few_rows=small_batch_linear(config))
@@ -115,6 +118,7 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
+        self.step_threads.for_step(sum(batch.num_new_tokens))
         return self._postprocess(batch, self.runner.run(batch))
 
     def _postprocess(self, batch: ScheduledBatch, output: ModelOutput) -> list[StepOutput]:

@@ -1,0 +1,37 @@
+"""Torch's CPU threads per engine step: one for steps of at most `one_thread_max_tokens`
+tokens, the engine's `cpu_threads` for the rest.
+
+Why: in a server the engine's cores are shared with the path to the client (Ray's proxy,
+the ingress, the replica's own event loop and core-worker threads). A decode step of one
+row is a few milliseconds of bandwidth-bound work on small matrices; split over two
+OpenMP threads, every barrier in it waits whenever the other processes preempt one of
+them, and the threads' spinning between steps takes the core those processes need. On the
+2-core machine one thread made one stream's tokens 10% faster over HTTP though it is 1.4x
+slower offline (BENCHMARKS.md, session 14). Offline (`LLM`) the default, 0, keeps every
+step on every thread.
+
+The count is per OS thread (OpenMP's nthreads ICV, which torch.set_num_threads sets for
+the calling thread), so it is tracked per thread: the step loop's, or a caller's.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+
+class StepThreads:
+    def __init__(self, cpu_threads: int, one_thread_max_tokens: int):
+        self.cpu_threads = cpu_threads
+        self.one_thread_max_tokens = one_thread_max_tokens
+        self._current = threading.local()
+
+    def for_step(self, num_tokens: int) -> None:
+        """Set the calling thread's torch threads for a step of `num_tokens` tokens."""
+        if self.one_thread_max_tokens == 0 or self.cpu_threads == 1:
+            return
+        wanted = 1 if num_tokens <= self.one_thread_max_tokens else self.cpu_threads
+        if getattr(self._current, "threads", None) != wanted:
+            torch.set_num_threads(wanted)
+            self._current.threads = wanted
