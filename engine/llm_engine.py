@@ -37,10 +37,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         limit_onednn_caches()
-        is_cpu = config.torch_device.type == "cpu"
-        if is_cpu:
-            torch.set_num_threads(config.cpu_threads)
-        self.step_threads = StepThreads(config.cpu_threads, config.one_thread_max_tokens if is_cpu else 0)
+        self.step_threads = _set_up_threads(config)
         source = resolve_model(config.model, config.weights)
         model = build_model(source, config.torch_dtype, config.torch_device, config.seed, config.linears,
                             few_rows=small_batch_linear(config))
@@ -217,6 +214,14 @@ class LLMEngine:
             return max(int(config.kv_cache_memory_gb * 2**30 // per_block), 1)
         enough = config.max_num_seqs * -(-self.max_model_len // config.block_size)
         return max(min(enough, int(_default_kv_budget(config.torch_device) // per_block)), 1)
+
+
+def _set_up_threads(config: EngineConfig) -> StepThreads:
+    """Torch's CPU threads for this process, and per step (engine/step_threads.py)."""
+    is_cpu = config.torch_device.type == "cpu"
+    if is_cpu:
+        torch.set_num_threads(config.cpu_threads)
+    return StepThreads(config.cpu_threads, config.one_thread_max_tokens if is_cpu else 0)
 
 
 def _default_kv_budget(device: torch.device) -> float:
