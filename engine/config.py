@@ -87,11 +87,12 @@ class EngineConfig:
     max_waiting_requests: int | None = None
     max_waiting_tokens: int | None = None
     num_threads: int | None = None  # torch CPU threads; None = every core this process may use
-    # Steps of at most this many tokens (decodes of one or a few streams) run on one torch
-    # thread, the rest on num_threads: in a server the other processes on the engine's cores
-    # stall a small step's OpenMP barriers more than a second thread speeds it up
-    # (engine/step_threads.py, BENCHMARKS.md session 14). 0: every step on num_threads.
-    one_thread_max_tokens: int = 0
+    # Steps of at most this many tokens (one stream's decodes) run on one torch thread, the
+    # rest on num_threads: in a server the other processes on the engine's cores stall a
+    # small step's OpenMP barriers more than a second thread speeds it up, in bf16; in fp32,
+    # twice the bytes a step, the second thread wins (engine/step_threads.py, BENCHMARKS.md
+    # session 14). 0: every step on num_threads; auto: 1 on CPU in bf16, else 0.
+    one_thread_max_tokens: int | Literal["auto"] = 0
 
     def __post_init__(self) -> None:
         check_weights_mode(self.weights)
@@ -111,9 +112,11 @@ class EngineConfig:
         _require_positive("max_num_batched_tokens", self.max_num_batched_tokens)
         if self.num_kv_blocks is not None:
             _require_positive("num_kv_blocks", self.num_kv_blocks)
-        for name in ("graph_prefill_tokens", "one_thread_max_tokens"):
-            if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 0):
-                raise ValueError(f"{name} must be an integer >= 0, got {getattr(self, name)!r}")
+        if not (isinstance(self.graph_prefill_tokens, int) and self.graph_prefill_tokens >= 0):
+            raise ValueError(f"graph_prefill_tokens must be an integer >= 0, got {self.graph_prefill_tokens!r}")
+        if not (self.one_thread_max_tokens == "auto" or (isinstance(self.one_thread_max_tokens, int)
+                                                         and self.one_thread_max_tokens >= 0)):
+            raise ValueError(f"one_thread_max_tokens must be an integer >= 0 or auto, got {self.one_thread_max_tokens!r}")
         for name in ("max_waiting_requests", "max_waiting_tokens"):
             if getattr(self, name) is not None:
                 _require_positive(name, getattr(self, name))
@@ -138,6 +141,15 @@ class EngineConfig:
         if self.torch_device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
         return torch.bfloat16 if cpu_features().has_fast_bf16 else torch.float32
+
+    @cached_property
+    def one_thread_tokens(self) -> int:
+        """one_thread_max_tokens resolved: 0 off the CPU, where torch's threads don't run steps."""
+        if self.torch_device.type != "cpu":
+            return 0
+        if self.one_thread_max_tokens == "auto":
+            return 1 if self.torch_dtype == torch.bfloat16 else 0
+        return self.one_thread_max_tokens
 
     @cached_property
     def decode_compiled(self) -> bool:

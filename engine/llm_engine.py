@@ -218,10 +218,9 @@ class LLMEngine:
 
 def _set_up_threads(config: EngineConfig) -> StepThreads:
     """Torch's CPU threads for this process, and per step (engine/step_threads.py)."""
-    is_cpu = config.torch_device.type == "cpu"
-    if is_cpu:
+    if config.torch_device.type == "cpu":
         torch.set_num_threads(config.cpu_threads)
-    return StepThreads(config.cpu_threads, config.one_thread_max_tokens if is_cpu else 0)
+    return StepThreads(config.cpu_threads, config.one_thread_tokens)
 
 
 def _default_kv_budget(device: torch.device) -> float:

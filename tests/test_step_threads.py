@@ -1,6 +1,6 @@
-"""`one_thread_max_tokens`: steps of at most that many tokens run on one torch thread, the
-rest on `num_threads`, in whichever thread steps the engine; the tokens stay the reference
-path's."""
+"""`one_thread_max_tokens` (N, or auto: 1 on CPU in bf16): steps of at most N tokens run on
+one torch thread, the rest on `num_threads`, in whichever thread steps the engine; the
+tokens stay the reference path's."""
 
 from __future__ import annotations
 
@@ -76,6 +76,18 @@ def test_the_count_follows_the_thread_that_steps(tiny_gpt2_dir):
     engine.abort_request("a")
 
 
+def test_auto_is_one_token_on_cpu_in_bf16_only(tiny_gpt2_dir):
+    # fp32 steps move twice the bytes: there the second thread wins (BENCHMARKS.md, session 14)
+    assert EngineConfig(device="cpu", dtype="bfloat16", one_thread_max_tokens="auto").one_thread_tokens == 1
+    assert EngineConfig(device="cpu", dtype="float32", one_thread_max_tokens="auto").one_thread_tokens == 0
+    assert EngineConfig(device="cpu", dtype="float32", one_thread_max_tokens=2).one_thread_tokens == 2
+    llm = make_llm(tiny_gpt2_dir, one_thread_max_tokens="auto")  # fp32
+    steps = record_threads(llm.engine)
+    llm.generate(mixed_prompts(1), GREEDY)
+    assert {threads for _, threads in steps} == {2}
+
+
 def test_one_thread_max_tokens_is_checked():
-    with pytest.raises(ValueError, match="one_thread_max_tokens must be an integer >= 0"):
-        EngineConfig(one_thread_max_tokens=-1)
+    for bad in (-1, "yes"):
+        with pytest.raises(ValueError, match="one_thread_max_tokens must be an integer >= 0 or auto"):
+            EngineConfig(one_thread_max_tokens=bad)
