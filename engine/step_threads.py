@@ -5,10 +5,10 @@ Why: in a server the engine's cores are shared with the path to the client (Ray'
 the ingress, the replica's own event loop and core-worker threads). A decode step of one
 row is a few milliseconds of bandwidth-bound work on small matrices; split over two
 OpenMP threads, every barrier in it waits whenever the other processes preempt one of
-them, and the threads' spinning between steps takes the core those processes need. On the
-2-core machine one thread made one stream's tokens 10% faster over HTTP though it is 1.4x
-slower offline (BENCHMARKS.md, session 14). Offline (`LLM`) the default, 0, keeps every
-step on every thread.
+them, and the threads' spinning between steps takes the core those processes need. Over
+HTTP one thread wins for a bf16 stream alone, though it is slower offline; in fp32 the
+second thread is worth more (BENCHMARKS.md, session 14; the config's `auto`). Offline
+(`LLM`) the default, 0, keeps every step on every thread.
 
 The count is per OS thread (OpenMP's nthreads ICV, which torch.set_num_threads sets for
 the calling thread), so it is tracked per thread: the step loop's, or a caller's.
