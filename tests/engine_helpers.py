@@ -42,3 +42,16 @@ def greedy_logprobs(llm, prompt: list[int], max_new_tokens: int) -> tuple[list[i
     finally:
         hook.remove()
     return out[0].token_ids, steps
+
+
+def record_steps(engine) -> list[list[int]]:
+    """Each step's tokens per sequence, as the runner is handed them."""
+    steps: list[list[int]] = []
+    run = engine.runner.run
+
+    def recording(batch):
+        steps.append(list(batch.num_new_tokens))
+        return run(batch)
+
+    engine.runner.run = recording
+    return steps

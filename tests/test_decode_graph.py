@@ -15,7 +15,7 @@ from engine.attention import decode_attention_with_own, write_kv
 from engine.cpu import cpu_features
 from engine.decode_graph import DecodeGraph, write_new_kv
 from engine.sampler import Sampler
-from tests.engine_helpers import mixed_prompts
+from tests.engine_helpers import mixed_prompts, record_steps
 
 GREEDY_TOP5 = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=5)
 
@@ -26,6 +26,16 @@ def assert_logprobs_close(fast, reference, atol: float) -> None:
             assert ours.token_id in dict(theirs.top) and theirs.token_id in dict(ours.top), f"diverged at {position}"
             return
         assert abs(ours.logprob - theirs.logprob) < atol, f"logprob at {position}"
+
+
+def assert_alone_and_together_close(fast: LLM, reference: LLM, prompts: list[list[int]], atol: float) -> None:
+    """The first two prompts one at a time (a batch of one, one block then two), then all
+    together, greedy with top-5 logprobs: fast's within atol of reference's."""
+    def run(llm: LLM) -> list:
+        return [llm.generate([p], GREEDY_TOP5)[0] for p in prompts[:2]] + llm.generate(prompts, GREEDY_TOP5)
+
+    for ours, theirs in zip(run(fast), run(reference)):
+        assert_logprobs_close(ours, theirs, atol)
 
 
 def num_compiled_graphs() -> int:
@@ -55,11 +65,7 @@ def compare(model_dir, dtype: str, reference_linears: str, atol: float, fast_lin
     assert_untouched(fast.engine)  # ... on scratch inputs that leave no trace
     reference = LLM(str(model_dir), weights="pretrained", dtype=dtype, device="cpu", linears=reference_linears)
     prompts = mixed_prompts(6)
-    # One at a time (batch of one, one block then two), then all together.
-    outputs = [fast.generate([p], GREEDY_TOP5)[0] for p in prompts[:2]] + fast.generate(prompts, GREEDY_TOP5)
-    expected = [reference.generate([p], GREEDY_TOP5)[0] for p in prompts[:2]] + reference.generate(prompts, GREEDY_TOP5)
-    for ours, theirs in zip(outputs, expected):
-        assert_logprobs_close(ours, theirs, atol)
+    assert_alone_and_together_close(fast, reference, prompts, atol)
     sampled = fast.generate(prompts[:3], SamplingParams(max_tokens=8, temperature=0.8, seed=1, ignore_eos=True))
     assert all(len(o.token_ids) == 8 for o in sampled)
     assert fast.engine.runner.decode_graph.num_steps >= 2 * 15 + 15 + 7  # every decode-only step took the graph
@@ -118,19 +124,6 @@ def test_compiled_decode_matches_the_eager_path_in_bf16(tiny_gpt2_dir):
     # Inductor's fused kernels keep LayerNorm, GELU and residuals in fp32 where eager rounds
     # each to bf16, so logits differ by a bf16 step or two (0.0625 at this model's logit size).
     compare(tiny_gpt2_dir, "bfloat16", "auto", atol=0.15)
-
-
-def record_steps(engine) -> list[list[int]]:
-    """Each step's tokens per sequence, as the runner is handed them."""
-    steps: list[list[int]] = []
-    run = engine.runner.run
-
-    def recording(batch):
-        steps.append(list(batch.num_new_tokens))
-        return run(batch)
-
-    engine.runner.run = recording
-    return steps
 
 
 def test_steps_with_short_prefill_chunks_take_the_graph_and_match_the_reference_path(tiny_gpt2_dir):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from tests.engine_helpers import hf_greedy, hf_model, mixed_prompts
+from tests.engine_helpers import hf_greedy, hf_model, mixed_prompts, record_steps
 
 MAX_TOKENS = 24
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
@@ -59,9 +59,7 @@ def test_a_burst_on_one_new_prefix_computes_it_once_and_matches_hf(tiny_gpt2_dir
     """Three prompts sharing three blocks arrive together: the first computes them, the other
     two wait a step and take them from the cache; a prompt sharing nothing is not held back."""
     llm = make_llm(tiny_gpt2_dir)
-    steps: list[list[int]] = []
-    run = llm.engine.runner.run
-    llm.engine.runner.run = lambda batch: steps.append(list(batch.num_new_tokens)) or run(batch)
+    steps = record_steps(llm.engine)
     assert_matches(llm, shared_prefix_prompts() + mixed_prompts(5)[4:], references)  # + a 17-token prompt
     assert steps[0] == [53, 17]  # the first shared prompt and the unrelated one
     assert sorted(steps[1]) == [1, 1, 3, 32]  # their decodes; the two others past the 48 cached tokens
@@ -70,9 +68,7 @@ def test_a_burst_on_one_new_prefix_computes_it_once_and_matches_hf(tiny_gpt2_dir
 
 def test_a_prompt_sharing_one_block_in_flight_does_not_wait(tiny_gpt2_dir, hf_fp32):
     llm = make_llm(tiny_gpt2_dir)
-    steps: list[list[int]] = []
-    run = llm.engine.runner.run
-    llm.engine.runner.run = lambda batch: steps.append(list(batch.num_new_tokens)) or run(batch)
+    steps = record_steps(llm.engine)
     prompts = [list(range(1000, 1020)), list(range(1000, 1016)) + [5, 6, 7, 8]]  # one block in common
     outputs = llm.generate(prompts, GREEDY)
     assert steps[0] == [20, 20]

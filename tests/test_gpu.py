@@ -10,8 +10,8 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.attention import decode_attention_with_own
-from tests.engine_helpers import hf_greedy, hf_model, mixed_prompts
-from tests.test_decode_graph import GREEDY_TOP5, assert_logprobs_close, num_compiled_graphs, record_steps
+from tests.engine_helpers import hf_greedy, hf_model, mixed_prompts, record_steps
+from tests.test_decode_graph import assert_alone_and_together_close, num_compiled_graphs
 
 pytestmark = [
     pytest.mark.gpu,
@@ -63,10 +63,7 @@ def test_cuda_compiled_graph_matches_the_eager_path(tiny_gpt2_dir, dtype: str, a
     steps = record_steps(fast.engine)
     eager = LLM(str(tiny_gpt2_dir), **config)
     prompts = mixed_prompts(12)
-    ours = [fast.generate([p], GREEDY_TOP5)[0] for p in prompts[:2]] + fast.generate(prompts, GREEDY_TOP5)
-    expected = [eager.generate([p], GREEDY_TOP5)[0] for p in prompts[:2]] + eager.generate(prompts, GREEDY_TOP5)
-    for fast_output, eager_output in zip(ours, expected):
-        assert_logprobs_close(fast_output, eager_output, atol)
+    assert_alone_and_together_close(fast, eager, prompts, atol)
     sampled = fast.generate(prompts[:3], SamplingParams(max_tokens=8, temperature=0.8, seed=1, ignore_eos=True))
     assert all(len(output.token_ids) == 8 for output in sampled)  # the draw beside the graph (eager on CUDA)
     assert fast.engine.runner.decode_graph.num_steps == len(steps)
