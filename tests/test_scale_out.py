@@ -42,6 +42,11 @@ EPS = 0.5
 ROUTER = {"request_router_class": "deployments.router:PrefixAffinityRouter",
           "request_router_kwargs": {"load_bound_eps": EPS, "key_blocks": KEY_BLOCKS, "load_unit": "requests"},
           "request_routing_stats_period_s": 0.2}
+# How long until every router's view of the replicas' reports is current: Serve's controller
+# polls each replica once a stats period (within 10%) from its control loop, then broadcasts
+# over long poll. Under the full suite on 2 cores that chain took more than two periods
+# (a sequential request on idle replicas spilled on a report from the one before it).
+REPORTS_SETTLE_S = 5 * ROUTER["request_routing_stats_period_s"]
 DECODE_TOKEN_COST = 1.0
 WORK_ROUTER = {**ROUTER, "request_router_kwargs": {"load_bound_eps": EPS, "key_blocks": KEY_BLOCKS, "load_unit": "work",
                                                    "decode_token_cost": DECODE_TOKEN_COST}}
@@ -187,8 +192,8 @@ def check_two_routers(rng: random.Random, replica_ids: list[str], load_log_dir: 
         first_choice = rendezvous_order(prefix_key(prefix, BLOCK, KEY_BLOCKS), replica_ids)[0]
         for caller in callers + callers:
             # Idle replicas as every router sees them: a report Serve polled while the last
-            # request was still queued counts its prompt, for up to a stats period.
-            time.sleep(2 * ROUTER["request_routing_stats_period_s"])
+            # request was still queued counts it until a later report reaches the router.
+            time.sleep(REPORTS_SETTLE_S)
             before = served()
             assert ray.get(caller.complete.remote([prefix + random_prompt(rng, 8)], 2)) == ["length"]
             assert new_requests(before) == {r: 1 if r == first_choice else 0 for r in replica_ids}
