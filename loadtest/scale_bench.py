@@ -185,7 +185,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--model", default=None, help="override the config's model")
     parser.add_argument("--weights", default=None, help="override the config's weights (auto|pretrained|random)")
     parser.add_argument("--dtype", default=None)
-    parser.add_argument("--engine", action="append", default=[], metavar="KEY=INT", help="an EngineConfig override")
+    parser.add_argument("--engine", action="append", default=[], metavar="KEY=YAML",
+                        help="an EngineConfig override, e.g. num_kv_blocks=288 or enable_prefix_caching=false")
     parser.add_argument("--app-arg", action="append", default=[], metavar="KEY=YAML",
                         help="an app arg override, e.g. engine_num_cpus=4 or device=cpu")
     parser.add_argument("--num-cpus", type=int, default=2, help="the local Ray's CPUs")
@@ -203,7 +204,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                               args.suffix_tokens, args.max_tokens, args.concurrency, args.hot_share, args.seed)
     overrides = {k: v for k, v in (("model", args.model), ("weights", args.weights), ("dtype", args.dtype)) if v}
     overrides.update({key: yaml.safe_load(value) for key, value in (item.split("=", 1) for item in args.app_arg)})
-    overrides["engine"] = {key: int(value) for key, value in (item.split("=", 1) for item in args.engine)}
+    overrides["engine"] = {key: yaml.safe_load(value) for key, value in (item.split("=", 1) for item in args.engine)}
     setups = args.setups.split(",")
     for setup in setups:
         parse_setup(setup)  # a misspelt setup fails before the first one runs
