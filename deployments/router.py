@@ -4,7 +4,7 @@ Set in a config file (configs/scale-out.yaml) on the EngineDeployment entry:
 
     request_router_config:
       request_router_class: deployments.router:PrefixAffinityRouter
-      request_router_kwargs: {load_bound_eps: 0.5, key_blocks: 4}  # load_unit: work, decode_token_cost: 1
+      request_router_kwargs: {load_bound_eps: 0.75, key_blocks: 4}  # load_unit: work, decode_token_cost: 1
       request_routing_stats_period_s: 1
 
 Each handle (each ingress replica) has its own router instance; they agree without talking
