@@ -79,7 +79,7 @@ class _Prompt:
 
 
 class PrefixAffinityRouter(RequestRouter):
-    def initialize_state(self, load_bound_eps: float = 0.25, key_blocks: int = 4, load_unit: LoadUnit = "requests",
+    def initialize_state(self, load_bound_eps: float = 0.75, key_blocks: int = 4, load_unit: LoadUnit = "requests",
                          decode_token_cost: float = 1.0) -> None:
         _check_kwargs(load_bound_eps, key_blocks, load_unit, decode_token_cost)
         self._eps, self._key_blocks = load_bound_eps, key_blocks
