@@ -83,7 +83,12 @@ def parse_setup(setup: str) -> tuple[str, dict]:
         raise SystemExit(f"unknown setup {name!r}; choose from {', '.join(SETUPS)}")
     if pairs and name != "prefix-router":
         raise SystemExit(f"only prefix-router takes router kwargs, got {setup!r}")
-    return name, {key: yaml.safe_load(value) for key, value in (pair.split("=", 1) for pair in pairs)}
+    return name, parse_pairs(pairs)
+
+
+def parse_pairs(pairs: Sequence[str]) -> dict:
+    """["load_bound_eps=0.5", "x=true"] -> {"load_bound_eps": 0.5, "x": True}: each value as YAML."""
+    return {key: yaml.safe_load(value) for key, value in (pair.split("=", 1) for pair in pairs)}
 
 
 def app_from_config(config_path: Path, setup: str, overrides: dict) -> serve.Application:
@@ -203,8 +208,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     workload = PrefixWorkload(args.workload, args.num_requests, args.num_prefixes, args.prefix_tokens,
                               args.suffix_tokens, args.max_tokens, args.concurrency, args.hot_share, args.seed)
     overrides = {k: v for k, v in (("model", args.model), ("weights", args.weights), ("dtype", args.dtype)) if v}
-    overrides.update({key: yaml.safe_load(value) for key, value in (item.split("=", 1) for item in args.app_arg)})
-    overrides["engine"] = {key: yaml.safe_load(value) for key, value in (item.split("=", 1) for item in args.engine)}
+    overrides.update(parse_pairs(args.app_arg))
+    overrides["engine"] = parse_pairs(args.engine)
     setups = args.setups.split(",")
     for setup in setups:
         parse_setup(setup)  # a misspelt setup fails before the first one runs
