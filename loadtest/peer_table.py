@@ -35,6 +35,7 @@ from loadtest.http_target import BenchConfig, Target, run_benchmark
 from loadtest.results import BenchResult
 from loadtest.workload import Workload
 from loadtest.cpu_usage import ProcessCpu, cpu_since, cpu_snapshot, cpu_table, settle
+from loadtest.machine import machine_line, utc_now
 from loadtest.vllm_peer import VllmServer, VllmServerConfig, is_healthy, find_vllm, run_vllm_offline_target
 
 RAYINFER_URL = "http://127.0.0.1:8000"
@@ -80,6 +81,8 @@ class TableRun:
     rayinfer: ServerRows
     vllm: ServerRows
     cpu: dict[str, tuple[float, list[ProcessCpu]]]
+    dtype: str
+    machine: str  # loadtest/machine.py: the CPU kind and the run's times
 
 
 def measure_http(label: str, target: Target, workload: TableWorkload, cpu: dict) -> ServerRows:
@@ -187,7 +190,8 @@ def run_vllm(args: argparse.Namespace, workload: TableWorkload, cpu: dict) -> Se
 
 def table(run: TableRun) -> str:
     ours, theirs, w = run.rayinfer, run.vllm, run.workload
-    lines = ["| | rayinfer | vLLM CPU | rayinfer / vLLM |", "|---|---|---|---|"]
+    lines = [f"{run.machine}; dtype {run.dtype}", "",
+             "| | rayinfer | vLLM CPU | rayinfer / vLLM |", "|---|---|---|---|"]
     lines.append(_line(f"offline, {w.streams} prompts (tok/s)", ours.offline, theirs.offline,
                        lambda r: r.output_throughput, "{:.1f}"))
     lines.append(_line(f"HTTP, {w.streams} concurrent streams (tok/s)", ours.concurrent, theirs.concurrent,
@@ -235,9 +239,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     workload = TableWorkload(args.streams, args.prompt_tokens, args.max_tokens)
     cpu: dict[str, tuple[float, list[ProcessCpu]]] = {}
+    started = utc_now()
     rayinfer = run_rayinfer(args, workload, cpu)
     vllm = ServerRows() if args.skip_vllm else run_vllm(args, workload, cpu)
-    run = TableRun(workload, rayinfer, vllm, cpu)
+    run = TableRun(workload, rayinfer, vllm, cpu, args.dtype, machine_line(started, utc_now()))
     report = table(run)
     print(report)
     if args.out:

@@ -38,6 +38,7 @@ from loadtest.http_target import Target
 from deployments.engine_load import LOAD_LOG_DIR_ENV, read_load_logs
 from deployments.router import PrefixAffinityRouter
 from loadtest.load_balance import ArrivalLoads, arrival_loads
+from loadtest.machine import machine_line, utc_now
 from loadtest.prefix_workloads import PrefixWorkload, ReplicaCounts, engine_replica_counts, run_http
 from loadtest.results import BenchResult
 
@@ -213,9 +214,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     setups = args.setups.split(",")
     for setup in setups:
         parse_setup(setup)  # a misspelt setup fails before the first one runs
-    results = []
+    results, started = [], utc_now()
     for setup in setups:
         results.append(run_setup(args.config, setup, overrides, workload, args.port, args.num_cpus))
+    print(machine_line(started, utc_now()))
     print(f"workload: {workload}")
     print(table(results))
     return 1 if any(r.bench.failures for r in results) else 0

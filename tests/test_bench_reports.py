@@ -1,0 +1,33 @@
+# Benchmark reports open with the machine they ran on (loadtest/machine.py): figures from an
+# AVX2 box and an AVX-512 BF16 one, or from an emulated run, must not be read side by side
+# unlabelled.
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from engine.cpu import ISA_LEVELS, cpu_features
+from loadtest.machine import machine_line
+from loadtest.peer_table import ServerRows, TableRun, TableWorkload, table
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_peer_table_opens_with_the_cpu_kind_the_dtype_and_the_times() -> None:
+    run = TableRun(TableWorkload(), ServerRows(), ServerRows(), {}, "float32",
+                   machine_line("2026-11-26 10:00:00", "2026-11-26 10:05:00"))
+    first = table(run).splitlines()[0]
+    assert first.startswith(f"Machine: {cpu_features().machine} {cpu_features().isa} ")
+    assert f"{os.cpu_count()} CPUs" in first
+    assert "2026-11-26 10:00:00 to 2026-11-26 10:05:00 UTC" in first
+    assert first.endswith("dtype float32")
+
+
+def test_an_emulated_avx2_run_says_avx2_not_the_hardware_it_ran_on() -> None:
+    env = {**os.environ, "RAYINFER_CPU_ISA": "avx2"}
+    line = subprocess.run([sys.executable, "-c", "from loadtest.machine import machine_line; print(machine_line('a', 'b'))"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, check=True).stdout
+    capped = ISA_LEVELS[min(ISA_LEVELS.index(cpu_features().isa), ISA_LEVELS.index("avx2"))]
+    assert line.startswith(f"Machine: {cpu_features().machine} {capped} ")
