@@ -35,6 +35,8 @@ def compile_for(device: torch.device, fn: Callable, dynamic: bool | None = None,
     freezing is set around each call, not passed in torch.compile's options: inductor reads it
     before applying those, and a recompile (a new shape) happens inside a later call.
     """
+    if cpp_wrapper:
+        _cache_cpp_wrappers_across_processes()
     options = {**inductor_options(device), **({"cpp_wrapper": True} if cpp_wrapper else {})}
     compiled = torch.compile(fn, dynamic=dynamic, options=options)
     if not freezing:
@@ -45,3 +47,29 @@ def compile_for(device: torch.device, fn: Callable, dynamic: bool | None = None,
             return compiled(*args)
 
     return frozen
+
+
+def _cache_cpp_wrappers_across_processes() -> None:
+    """Keep the ids of a graph's constants out of its C++ wrapper's source.
+
+    Inductor heads the wrapper with one comment per constant, ending in hash(tensor) (an
+    address), "so our code cache gives different constants different files". A C++ wrapper
+    takes its constants as inputs, not in its code, but the address makes every process's
+    source new: its ~200 KB of C++ is built again at each start (and again for the one-thread
+    variant: step_threads), where the rest of the compile's C++ comes from the disk cache.
+    Without the address, a second start reuses the .so. Idempotent; a torch without this
+    hook keeps its own behaviour.
+    """
+    try:
+        from torch._inductor.codegen.cpp_wrapper_cpu import CppWrapperCpu
+    except ImportError:
+        return
+    hook = getattr(CppWrapperCpu, "write_constant", None)
+    if hook is None or getattr(hook, "_rayinfer", False):
+        return  # no such hook, or patched already
+
+    def write_constant(self, name: str, hashed: str) -> None:
+        self.header.writeline(f"// {name} {hashed.rsplit(' ', 1)[0]}")  # device, dtype, size, stride
+
+    write_constant._rayinfer = True
+    CppWrapperCpu.write_constant = write_constant
