@@ -114,7 +114,8 @@ class DecodeGraph:
         start = time.monotonic()
         self._run(zeros(rows), zeros(rows), kv_pool, zeros(rows, width), torch.arange(rows, device=kv_pool.device),
                   torch.arange(sampled, device=kv_pool.device))
-        logger.info("decode graph compiled in %.1f s", time.monotonic() - start)
+        logger.info("decode graph compiled in %.1f s (torch threads: %d)", time.monotonic() - start,
+                    torch.get_num_threads())
 
     def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_pool: torch.Tensor, block_tables: torch.Tensor,
              first_rows: torch.Tensor, logits_indices: torch.Tensor,

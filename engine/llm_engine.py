@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -190,17 +191,30 @@ class LLMEngine:
         (eager decode steps and sampling, logged) where the graph cannot compile here, e.g. no
         C++ compiler for inductor. A draw that cannot compile alone runs eagerly beside the graph."""
         try:
-            graph.warm_up(self.runner.kv_pool, min(self.config.max_num_seqs, _TYPICAL_DECODE_BATCH))
+            self._at_each_thread_count(
+                lambda: graph.warm_up(self.runner.kv_pool, min(self.config.max_num_seqs, _TYPICAL_DECODE_BATCH)))
         except Exception as exc:  # noqa: BLE001 - any compile failure: serve on the eager path
             logger.warning("compile_decode: the decode graph did not compile (%r); decode steps run eagerly", exc)
             self._eager_sampler()
             return None
         try:
-            self.runner.sampler.warm_up(self.model_info.vocab_size)
+            self._at_each_thread_count(lambda: self.runner.sampler.warm_up(self.model_info.vocab_size))
         except Exception as exc:  # noqa: BLE001 - as the graph's
             logger.warning("compile_decode: the sampler's draw did not compile (%r); it runs on eager torch ops", exc)
             self._eager_sampler()
         return graph
+
+    def _at_each_thread_count(self, compile_now: Callable[[], None]) -> None:
+        """Compile at every thread count steps run at (step_threads): dynamo guards on torch's
+        thread count, so a one-thread step runs a variant of its own, which would otherwise
+        compile inside the first such step."""
+        compile_now()  # at the engine's own count, set already
+        for threads in self.step_threads.counts()[1:]:
+            self.step_threads.use(threads)
+            try:
+                compile_now()
+            finally:
+                self.step_threads.use(self.step_threads.cpu_threads)
 
     def _eager_sampler(self) -> None:
         self.runner.sampler = Sampler(self.config.seed, self.config.torch_device, native=self.runner.sampler.native)

@@ -29,9 +29,16 @@ class StepThreads:
 
     def for_step(self, num_tokens: int) -> None:
         """Set the calling thread's torch threads for a step of `num_tokens` tokens."""
-        if self.one_thread_max_tokens == 0 or self.cpu_threads == 1:
+        if len(self.counts()) == 1:
             return
-        wanted = 1 if num_tokens <= self.one_thread_max_tokens else self.cpu_threads
-        if getattr(self._current, "threads", None) != wanted:
-            torch.set_num_threads(wanted)
-            self._current.threads = wanted
+        self.use(1 if num_tokens <= self.one_thread_max_tokens else self.cpu_threads)
+
+    def counts(self) -> tuple[int, ...]:
+        """Every thread count steps run at, the engine's own first."""
+        return (self.cpu_threads,) if self.one_thread_max_tokens == 0 or self.cpu_threads == 1 else (self.cpu_threads, 1)
+
+    def use(self, threads: int) -> None:
+        """Set the calling thread's torch threads to `threads`."""
+        if getattr(self._current, "threads", None) != threads:
+            torch.set_num_threads(threads)
+            self._current.threads = threads
