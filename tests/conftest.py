@@ -49,6 +49,15 @@ def tiny_gpt2_bin_dir(tmp_path_factory: pytest.TempPathFactory, tiny_gpt2_dir: P
     return directory
 
 
+@pytest.fixture
+def restore_torch_threads() -> Iterator[None]:
+    """Torch's thread count as it was before the test: engines with `num_threads` and
+    one-thread steps set it for the whole process."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def http_headers() -> dict[str, str]:
     """Headers every request of the module's `http` client carries (an API key, where the app has one)."""

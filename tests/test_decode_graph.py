@@ -151,28 +151,24 @@ def test_steps_with_short_prefill_chunks_take_the_graph_and_match_the_reference_
     fast.engine.check_integrity()
 
 
-def test_one_thread_steps_take_a_variant_compiled_with_the_engine(tiny_gpt2_dir, caplog):
+def test_one_thread_steps_take_a_variant_compiled_with_the_engine(tiny_gpt2_dir, caplog, restore_torch_threads):
     """One-token steps on one torch thread (one_thread_max_tokens) run a variant of the graph
     of their own (dynamo guards on the thread count): it compiles while the engine is built,
     after the engine's own, and a stream's decodes then compile nothing."""
-    before = torch.get_num_threads()
-    try:
-        with caplog.at_level(logging.INFO, logger="engine.decode_graph"):
-            fast = LLM(str(tiny_gpt2_dir), weights="pretrained", dtype="float32", device="cpu", compile_decode=True,
-                       num_threads=2, one_thread_max_tokens=1)
-        compiled = [r.getMessage() for r in caplog.records if "decode graph compiled" in r.getMessage()]
-        assert [message.rsplit("(", 1)[1] for message in compiled] == ["torch threads: 2)", "torch threads: 1)"]
-        assert torch.get_num_threads() == 2  # the engine's own count again
-        graphs = num_compiled_graphs()
-        steps = record_steps(fast.engine)
-        prompt = mixed_prompts(3)[2]  # 7 tokens, then 15 one-token decodes
-        ours = fast.generate([prompt], GREEDY_TOP5)
-        assert fast.engine.runner.decode_graph.num_steps == len(steps) == 16
-        assert num_compiled_graphs() == graphs
-        reference = LLM(str(tiny_gpt2_dir), weights="pretrained", dtype="float32", device="cpu", linears="reference")
-        assert_logprobs_close(ours[0], reference.generate([prompt], GREEDY_TOP5)[0], atol=1e-3)
-    finally:
-        torch.set_num_threads(before)
+    with caplog.at_level(logging.INFO, logger="engine.decode_graph"):
+        fast = LLM(str(tiny_gpt2_dir), weights="pretrained", dtype="float32", device="cpu", compile_decode=True,
+                   num_threads=2, one_thread_max_tokens=1)
+    compiled = [r.getMessage() for r in caplog.records if "decode graph compiled" in r.getMessage()]
+    assert [message.rsplit("(", 1)[1] for message in compiled] == ["torch threads: 2)", "torch threads: 1)"]
+    assert torch.get_num_threads() == 2  # the engine's own count again
+    graphs = num_compiled_graphs()
+    steps = record_steps(fast.engine)
+    prompt = mixed_prompts(3)[2]  # 7 tokens, then 15 one-token decodes
+    ours = fast.generate([prompt], GREEDY_TOP5)
+    assert fast.engine.runner.decode_graph.num_steps == len(steps) == 16
+    assert num_compiled_graphs() == graphs
+    reference = LLM(str(tiny_gpt2_dir), weights="pretrained", dtype="float32", device="cpu", linears="reference")
+    assert_logprobs_close(ours[0], reference.generate([prompt], GREEDY_TOP5)[0], atol=1e-3)
 
 
 def test_a_step_past_graph_prefill_tokens_runs_eagerly(tiny_gpt2_dir):

@@ -12,6 +12,8 @@ import torch
 from engine import LLM, EngineConfig, SamplingParams
 from tests.engine_helpers import mixed_prompts
 
+pytestmark = pytest.mark.usefixtures("restore_torch_threads")
+
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 
 
@@ -33,11 +35,6 @@ def record_threads(engine) -> list[tuple[int, int]]:
     return steps
 
 
-@pytest.fixture(autouse=True)
-def restore_threads():
-    before = torch.get_num_threads()
-    yield
-    torch.set_num_threads(before)
 
 
 def test_steps_of_one_token_run_on_one_thread_and_give_the_same_tokens(tiny_gpt2_dir):
