@@ -11,13 +11,14 @@ ray_actor_options are left to build_app, which decides its GPU.
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import ray
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from ray import serve
 
+from deployments.cpu_binding import validate_spec
 from deployments.engine_deployment import DEFAULT_MAX_CHUNKS_PER_S, EngineDeployment
 from deployments.engine_runtime import engine_runtime_env
 from deployments.http_body import DEFAULT_MAX_BODY_BYTES
@@ -44,6 +45,9 @@ class AppArgs(BaseModel):
     # Engine replicas where the engine runs on CPU (None: the deployment's own, one); with a
     # GPU each, always the deployment's own. A config file's num_replicas overrides both.
     engine_cpu_replicas: int | None = Field(None, ge=1)
+    # Which cores each engine replica's threads run on, on CPU: nobind, auto (a group of
+    # cores per replica of a node) or lists per local rank, 0-3|4-7 (deployments/cpu_binding.py).
+    engine_cpu_bind: Annotated[str, AfterValidator(validate_spec)] = "nobind"
     # The engine replica's process: libraries to preload where present ("tcmalloc", "iomp5",
     # a path; deployments/engine_runtime.py) and environment variables (e.g. KMP_AFFINITY).
     engine_preload: list[str] = Field(default_factory=list)
@@ -78,7 +82,8 @@ def make_app(args: dict, deployment_options: dict[str, dict] | None = None) -> s
     return Ingress.options(**options.get("Ingress", {})).bind(
         tokenizer.options(**options.get("TokenizerDeployment", {})).bind(
             app_args.model, app_args.tokenizer_max_batch_size, app_args.tokenizer_batch_wait_s),
-        engine.options(**options.get("EngineDeployment", {})).bind(config, app_args.max_chunks_per_s),
+        engine.options(**options.get("EngineDeployment", {})).bind(config, app_args.max_chunks_per_s,
+                                                                   app_args.engine_cpu_bind),
         app_args.served_model_name or app_args.model,
         app_args.api_keys,
         app_args.max_body_bytes,

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import psutil
 from ray import serve
 
+from deployments.cpu_binding import bind_replica
 from deployments.engine_load import EngineLoad, LoadLog
 from deployments.logs import route_logs_to_serve
 from deployments.metrics import EngineMetricsReporter
@@ -48,8 +49,11 @@ DEFAULT_MAX_CHUNKS_PER_S = 300.0
     logging_config={"enable_access_log": False},
 )
 class EngineDeployment:
-    def __init__(self, config: EngineConfig, max_chunks_per_s: float | None = DEFAULT_MAX_CHUNKS_PER_S) -> None:
+    def __init__(self, config: EngineConfig, max_chunks_per_s: float | None = DEFAULT_MAX_CHUNKS_PER_S,
+                 cpu_bind: str = "nobind") -> None:
         route_logs_to_serve("engine")
+        if config.device == "cpu":  # before the engine is built: its warm-up runs on the bound cores
+            bind_replica(cpu_bind, serve.get_replica_context().rank.local_rank, config.cpu_threads)
         self._engine = AsyncEngine(config, max_chunks_per_s=max_chunks_per_s)
         self._metrics = EngineMetricsReporter(self._engine.stats)
         self._num_requests = 0

@@ -54,10 +54,15 @@ def is_running(pid: int) -> bool:
         return False
 
 
+def replica_processes(deployment: str, app: str = "rayinfer") -> list[psutil.Process]:
+    """The live replica processes of `deployment` (Ray names it in their command lines)."""
+    return [p for p in psutil.process_iter(["cmdline"])
+            if p.info["cmdline"] and f"ServeReplica:{app}:{deployment}" in p.info["cmdline"][0]]
+
+
 def replica_process(deployment: str, app: str = "rayinfer") -> psutil.Process:
-    """The one live replica process of `deployment` (Ray names it in its command line)."""
-    replicas = [p for p in psutil.process_iter(["cmdline"])
-                if p.info["cmdline"] and f"ServeReplica:{app}:{deployment}" in p.info["cmdline"][0]]
+    """The one live replica process of `deployment`."""
+    replicas = replica_processes(deployment, app)
     assert len(replicas) == 1, replicas
     return replicas[0]
 

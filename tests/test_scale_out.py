@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 import ray
 from ray import serve
@@ -30,7 +31,7 @@ from deployments.prefix_routing import prefix_key, rendezvous_order
 from engine import SamplingParams
 from loadtest.load_balance import arrival_loads
 from tests.http_helpers import wait_for
-from tests.serve_helpers import free_port, running_app
+from tests.serve_helpers import free_port, replica_processes, running_app
 from tests.test_observability import scrape_until
 
 pytestmark = pytest.mark.serve
@@ -54,7 +55,7 @@ WORK_ROUTER = {**ROUTER, "request_router_kwargs": {"load_bound_eps": EPS, "key_b
 
 def app_args(tiny_gpt2_dir: Path) -> dict:
     return {"model": str(tiny_gpt2_dir), "served_model_name": "tiny", "dtype": "float32",
-            "engine_num_cpus": 0.4, "tokenizer_num_replicas": 1,
+            "engine_num_cpus": 0.4, "tokenizer_num_replicas": 1, "engine_cpu_bind": "auto",
             "engine": {"num_kv_blocks": 256, "max_num_seqs": 32, "max_num_batched_tokens": 512}}
 
 
@@ -124,6 +125,26 @@ def test_each_prefix_goes_to_its_first_choice_and_hits_its_cache(server):
     stats = [ray.get(actor.record_routing_stats.remote()) for actor in engine_replicas().values()]
     # The 2nd and 3rd request of each prefix found its 5 blocks cached.
     assert sum(s["num_prefix_hit_tokens"] for s in stats) >= 6 * 2 * 5 * BLOCK
+
+
+def thread_affinities(process: psutil.Process) -> set[frozenset[int]]:
+    """The distinct CPU sets the threads of `process` may run on."""
+    affinities = set()
+    for thread in process.threads():
+        with contextlib.suppress(ProcessLookupError):  # a thread that ended since the listing
+            affinities.add(frozenset(os.sched_getaffinity(thread.id)))
+    return affinities
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="auto binding needs a core for each replica")
+def test_with_auto_binding_each_engine_replica_runs_on_a_core_of_its_own(server):
+    processes = replica_processes("EngineDeployment", APP)
+    assert len(processes) == 2
+    # engine_num_cpus 0.4: one torch thread, so one core; every thread of a replica on it
+    first, second = (thread_affinities(p) for p in processes)
+    assert len(first) == len(second) == 1, (first, second)
+    assert {len(cpus) for cpus in first | second} == {1}
+    assert first != second
 
 
 def test_a_burst_on_one_prefix_spills_to_its_second_choice_within_the_bound(server, load_log_dir):
