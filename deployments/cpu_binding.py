@@ -13,6 +13,8 @@ its own, as vLLM's VLLM_CPU_OMP_THREADS_BIND does for its data-parallel ranks. S
 
 Binding sets the affinity of every thread the process has (threads started later inherit
 it), so the step loop, the OpenMP pool and Ray's own threads all stay on the replica's cores.
+Serve keeps a node's local ranks contiguous as replicas come and go; a replica it renumbers
+moves to its new rank's cores (EngineDeployment.reconfigure).
 """
 
 from __future__ import annotations
@@ -100,10 +102,24 @@ def bind_process(cpus: list[int]) -> None:
             pass
 
 
-def bind_replica(spec: str, local_rank: int, threads: int) -> list[int] | None:
-    """Bind this replica's process as `spec` says; the cores it bound to, or None."""
-    cpus = cores_for(spec, local_rank, threads, sorted(os.sched_getaffinity(0)))
-    if cpus is not None:
-        bind_process(cpus)
-        logger.info("engine replica (local rank %d) bound to CPUs %s", local_rank, cpus)
-    return cpus
+class ReplicaCores:
+    """The cores one engine replica's process runs on, following its local rank: Serve keeps a
+    node's local ranks contiguous as replicas come and go, so a replica's rank may change
+    while it runs (then Serve calls the deployment's `reconfigure`)."""
+
+    def __init__(self, spec: str, threads: int):
+        self.spec = spec
+        self.threads = threads
+        self.allowed = sorted(os.sched_getaffinity(0))  # the process's own, before any binding
+        self.local_rank: int | None = None
+        self.cpus: list[int] | None = None  # None: unbound
+
+    def follow(self, local_rank: int) -> None:
+        """Bind to `local_rank`'s cores; to all the process's own where that rank gets none."""
+        if self.spec == "nobind" or local_rank == self.local_rank:
+            return
+        self.local_rank = local_rank
+        self.cpus = cores_for(self.spec, local_rank, self.threads, self.allowed)
+        bind_process(self.cpus or self.allowed)
+        if self.cpus is not None:
+            logger.info("engine replica (local rank %d) bound to CPUs %s", local_rank, self.cpus)

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 
 import psutil
 from ray import serve
+from ray.serve.schema import ReplicaRank
 
-from deployments.cpu_binding import bind_replica
+from deployments.cpu_binding import ReplicaCores
 from deployments.engine_load import EngineLoad, LoadLog
 from deployments.logs import route_logs_to_serve
 from deployments.metrics import EngineMetricsReporter
@@ -52,8 +53,8 @@ class EngineDeployment:
     def __init__(self, config: EngineConfig, max_chunks_per_s: float | None = DEFAULT_MAX_CHUNKS_PER_S,
                  cpu_bind: str = "nobind") -> None:
         route_logs_to_serve("engine")
-        if config.device == "cpu":  # before the engine is built: its warm-up runs on the bound cores
-            bind_replica(cpu_bind, serve.get_replica_context().rank.local_rank, config.cpu_threads)
+        self._cores = ReplicaCores(cpu_bind if config.device == "cpu" else "nobind", config.cpu_threads)
+        self._cores.follow(serve.get_replica_context().rank.local_rank)  # before the engine's threads start
         self._engine = AsyncEngine(config, max_chunks_per_s=max_chunks_per_s)
         self._metrics = EngineMetricsReporter(self._engine.stats)
         self._num_requests = 0
@@ -74,6 +75,11 @@ class EngineDeployment:
                     yield chunk
         finally:
             self._load_log.left(request_id)
+
+    def reconfigure(self, user_config: None, rank: ReplicaRank) -> None:
+        """Serve calls this once the replica is up, and whenever it gives the replica a new
+        rank (with `rank` in the signature, a deployment without a user_config gets the call)."""
+        self._cores.follow(rank.local_rank)
 
     def model_info(self) -> ModelInfo:
         return self._engine.model_info

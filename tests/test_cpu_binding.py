@@ -70,24 +70,36 @@ def test_explicit_lists_go_one_per_local_rank_and_must_be_cpus_the_process_may_u
 
 _BIND_IN_A_CHILD = """
 import json, os, threading
-from deployments.cpu_binding import bind_process
+from deployments.cpu_binding import ReplicaCores
+
+def affinities():
+    return {tid: sorted(os.sched_getaffinity(int(tid))) for tid in os.listdir("/proc/self/task")}
+
 stop = threading.Event()
 before = threading.Thread(target=stop.wait); before.start()
-bind_process([int(os.environ["CPU"])])
+cores = ReplicaCores("auto", 1)
+cores.follow(1)  # the second replica of the node: the second core
 after = threading.Thread(target=stop.wait); after.start()
-print(json.dumps({tid: sorted(os.sched_getaffinity(int(tid))) for tid in os.listdir("/proc/self/task")}))
+seen = [affinities()]
+cores.follow(0)  # renumbered by Serve: the first core
+seen.append(affinities())
+cores.follow(5)  # a rank past the cores: unbound again, on all the process's own
+seen.append(affinities())
+print(json.dumps(seen))
 stop.set()
 """
 
 
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs to tell a binding from none")
-def test_binding_a_process_binds_the_threads_it_has_and_those_it_starts_later() -> None:
-    cpu = max(os.sched_getaffinity(0))
-    out = subprocess.run([sys.executable, "-c", _BIND_IN_A_CHILD], env={**os.environ, "CPU": str(cpu)},
-                         cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, check=True).stdout
-    affinities = json.loads(out)
-    assert len(affinities) == 3  # the main thread, one started before the binding, one after
-    assert all(cpus == [cpu] for cpus in affinities.values()), affinities
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) != 2, reason="written for a 2-CPU process")
+def test_a_replica_binds_every_thread_and_follows_its_rank_when_serve_renumbers_it() -> None:
+    own = sorted(os.sched_getaffinity(0))
+    out = subprocess.run([sys.executable, "-c", _BIND_IN_A_CHILD], cwd=Path(__file__).resolve().parents[1],
+                         capture_output=True, text=True, check=True).stdout
+    rank_one, rank_zero, no_rank = json.loads(out)
+    assert len(rank_one) == 3  # the main thread, one started before the binding, one after
+    assert all(cpus == [own[1]] for cpus in rank_one.values()), rank_one
+    assert all(cpus == [own[0]] for cpus in rank_zero.values()), rank_zero
+    assert all(cpus == own for cpus in no_rank.values()), no_rank
 
 
 @pytest.mark.parametrize("config", sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml")),
