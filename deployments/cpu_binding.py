@@ -108,9 +108,12 @@ class ReplicaCores:
     while it runs (then Serve calls the deployment's `reconfigure`)."""
 
     def __init__(self, spec: str, threads: int):
+        if spec != "nobind" and not hasattr(os, "sched_setaffinity"):
+            raise ValueError(f"engine_cpu_bind: {spec!r} needs Linux's sched_setaffinity; use nobind here")
         self.spec = spec
         self.threads = threads
-        self.allowed = sorted(os.sched_getaffinity(0))  # the process's own, before any binding
+        # the process's own, before any binding
+        self.allowed = sorted(os.sched_getaffinity(0)) if spec != "nobind" else []
         self.local_rank: int | None = None
         self.cpus: list[int] | None = None  # None: unbound
 

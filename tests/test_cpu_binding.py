@@ -16,7 +16,7 @@ import yaml
 
 from deployments import cpu_binding
 from deployments.app import AppArgs
-from deployments.cpu_binding import cores_for, parse_cpulist, physical_cores_first
+from deployments.cpu_binding import ReplicaCores, cores_for, parse_cpulist, physical_cores_first
 
 
 def test_a_cpulist_is_ranges_and_single_cpus() -> None:
@@ -66,6 +66,13 @@ def test_explicit_lists_go_one_per_local_rank_and_must_be_cpus_the_process_may_u
     with pytest.raises(ValueError, match=r"CPUs \[9\]"):
         cores_for("0,9", 0, 2, [0, 1, 2, 3])
     assert cores_for("nobind", 0, 2, [0, 1]) is None
+
+
+def test_binding_where_the_os_cannot_is_refused_naming_the_arg(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delattr(os, "sched_setaffinity")  # as on macOS
+    with pytest.raises(ValueError, match="engine_cpu_bind: 'auto' needs Linux"):
+        ReplicaCores("auto", 1)
+    assert ReplicaCores("nobind", 1).cpus is None  # the default runs anywhere
 
 
 _BIND_IN_A_CHILD = """
