@@ -35,8 +35,6 @@ def record_threads(engine) -> list[tuple[int, int]]:
     return steps
 
 
-
-
 def test_steps_of_one_token_run_on_one_thread_and_give_the_same_tokens(tiny_gpt2_dir):
     llm = make_llm(tiny_gpt2_dir, one_thread_max_tokens=1)
     steps = record_threads(llm.engine)
