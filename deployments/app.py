@@ -19,7 +19,8 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from ray import serve
 
 from deployments.cpu_binding import validate_spec
-from deployments.engine_deployment import DEFAULT_MAX_CHUNKS_PER_S, EngineDeployment
+from deployments.chunk_budget import ChunkBudget
+from deployments.engine_deployment import EngineDeployment
 from deployments.engine_runtime import engine_runtime_env
 from deployments.http_body import DEFAULT_MAX_BODY_BYTES
 from deployments.ingress import Ingress
@@ -52,8 +53,10 @@ class AppArgs(BaseModel):
     # a path; deployments/engine_runtime.py) and environment variables (e.g. KMP_AFFINITY).
     engine_preload: list[str] = Field(default_factory=list)
     engine_env: dict[str, str] = Field(default_factory=dict)
-    # Past this many engine->ingress chunks a second, tokens are packed several per chunk.
-    max_chunks_per_s: float | None = Field(DEFAULT_MAX_CHUNKS_PER_S, gt=0)
+    # Past this many engine->ingress chunks a second, tokens are packed several per chunk;
+    # auto: 50 a CPU of the engine replica's node, None: every token its own chunk
+    # (deployments/chunk_budget.py).
+    max_chunks_per_s: ChunkBudget = "auto"
     tokenizer_num_replicas: int | None = None  # None: the deployment's autoscaling_config
     tokenizer_max_batch_size: int = Field(32, ge=1)
     tokenizer_batch_wait_s: float = Field(0.0, ge=0)

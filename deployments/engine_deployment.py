@@ -9,6 +9,7 @@ its KV blocks are free by the end of the next step.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -17,6 +18,8 @@ import psutil
 from ray import serve
 from ray.serve.schema import ReplicaRank
 
+from deployments import chunk_budget
+from deployments.chunk_budget import ChunkBudget
 from deployments.cpu_binding import ReplicaCores
 from deployments.engine_load import EngineLoad, LoadLog
 from deployments.logs import route_logs_to_serve
@@ -35,10 +38,7 @@ class EngineStatus:
 
 FAULT_INJECTION_ENV = "RAYINFER_ENABLE_FAULT_INJECTION"  # "1" only in tests
 
-# Every chunk streamed to the ingress costs CPU in three processes (BENCHMARKS.md); past
-# this many chunks a second across all streams, the engine packs several tokens per chunk
-# (engine/request_stream.py). The first token is never held.
-DEFAULT_MAX_CHUNKS_PER_S = 300.0
+logger = logging.getLogger("ray.serve")  # the replica's log file
 
 
 @serve.deployment(
@@ -50,12 +50,14 @@ DEFAULT_MAX_CHUNKS_PER_S = 300.0
     logging_config={"enable_access_log": False},
 )
 class EngineDeployment:
-    def __init__(self, config: EngineConfig, max_chunks_per_s: float | None = DEFAULT_MAX_CHUNKS_PER_S,
-                 cpu_bind: str = "nobind") -> None:
+    def __init__(self, config: EngineConfig, max_chunks_per_s: ChunkBudget = "auto", cpu_bind: str = "nobind") -> None:
         route_logs_to_serve("engine")
+        chunks_per_s = chunk_budget.resolve(max_chunks_per_s)  # before binding narrows this process's CPUs
+        logger.info("streaming at most %s chunks/s across all streams (max_chunks_per_s: %s)", chunks_per_s,
+                    max_chunks_per_s)
         self._cores = ReplicaCores(cpu_bind if config.device == "cpu" else "nobind", config.cpu_threads)
         self._cores.follow(serve.get_replica_context().rank.local_rank)  # before the engine's threads start
-        self._engine = AsyncEngine(config, max_chunks_per_s=max_chunks_per_s)
+        self._engine = AsyncEngine(config, max_chunks_per_s=chunks_per_s)
         self._metrics = EngineMetricsReporter(self._engine.stats)
         self._num_requests = 0
         self._load_log = LoadLog(serve.get_replica_context().replica_id.unique_id, config.block_size,

@@ -1,0 +1,35 @@
+"""How many chunks a second an engine replica streams to the ingress, across all its streams.
+
+Past the budget the engine packs several tokens into a chunk (engine/request_stream.py): k
+tokens a chunk, k the smallest count that keeps all streams under the budget at the current
+step rate, and never for a stream's first token. Relaying a chunk costs about the same CPU
+whatever it holds (the engine replica sends it, the ingress renders it, the proxy writes
+it), so the budget that leaves the engine its cores scales with the node's CPUs: `auto` is
+CHUNKS_PER_S_PER_CPU for each CPU this process may run on. On 2 cores that is 100 chunks a
+second: 32 streams got 1.29x the tokens/s of a budget of 300 there, for an inter-token gap
+of ~0.35 s instead of ~0.11 s at the client; one stream alone still gets every token as it
+comes (BENCHMARKS.md, "Session 19").
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Annotated, Literal
+
+from pydantic import Field
+
+CHUNKS_PER_S_PER_CPU = 50.0
+
+# What AppArgs.max_chunks_per_s takes: chunks a second, auto, or None for no budget (a chunk
+# for every token).
+ChunkBudget = Annotated[float, Field(gt=0)] | Literal["auto"] | None
+
+
+def node_cpus() -> int:
+    """The CPUs this process may run on: the cpuset a container or taskset gave it."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def resolve(budget: ChunkBudget) -> float | None:
+    """Chunks a second for the engine: `auto` from this process's CPUs, else as given."""
+    return CHUNKS_PER_S_PER_CPU * node_cpus() if budget == "auto" else budget
