@@ -5,10 +5,11 @@ tokens a chunk, k the smallest count that keeps all streams under the budget at 
 step rate, and never for a stream's first token. Relaying a chunk costs about the same CPU
 whatever it holds (the engine replica sends it, the ingress renders it, the proxy writes
 it), so the budget that leaves the engine its cores scales with the node's CPUs: `auto` is
-CHUNKS_PER_S_PER_CPU for each CPU this process may run on. On 2 cores that is 100 chunks a
-second: 32 streams got 1.29x the tokens/s of a budget of 300 there, for an inter-token gap
-of ~0.35 s instead of ~0.11 s at the client; one stream alone still gets every token as it
-comes (BENCHMARKS.md, "Session 19").
+CHUNKS_PER_S_PER_CPU for each CPU this process may run on: 100 chunks a second on 2 cores,
+where it bought 32 streams more tokens a second than 300 did, at the cost of a stream hearing
+from the server a few times a second rather than about ten; a stream alone, at GPT-2-small's
+step rate there (under 100 a second), still gets every token as it comes (BENCHMARKS.md,
+session 19).
 """
 
 from __future__ import annotations

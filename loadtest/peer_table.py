@@ -20,6 +20,7 @@ import argparse
 import contextlib
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -175,7 +176,8 @@ def run_vllm(args: argparse.Namespace, workload: TableWorkload, cpu: dict) -> Se
     if setup is None:
         print("vLLM's CPU build is not installed: its rows stay empty", file=sys.stderr)
         return ServerRows()
-    config = VllmServerConfig(args.checkpoint.resolve(), dtype=args.dtype, port=args.vllm_port)
+    config = VllmServerConfig(args.checkpoint.resolve(), dtype=args.dtype, port=args.vllm_port,
+                              extra_args=tuple(shlex.split(args.vllm_args)))
     with VllmServer(config, setup):
         rows = measure_http("vLLM", Target(config.url, "vLLM CPU", config.served_model_name, ignore_eos=True),
                             workload, cpu)
@@ -230,7 +232,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--vllm-venv", type=Path, default=None)
     parser.add_argument("--vllm-port", type=int, default=8100)
+    parser.add_argument("--vllm-args", default="",
+                        help="more flags for vLLM's server, e.g. '--stream-interval 8' (tokens a chunk)")
     parser.add_argument("--skip-vllm", action="store_true", help="rayinfer's rows only")
+    parser.add_argument("--skip-rayinfer", action="store_true", help="vLLM's rows only")
     parser.add_argument("--out", type=Path, default=None, help="directory for peers.json and peers.md")
     return parser.parse_args(argv)
 
@@ -240,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     workload = TableWorkload(args.streams, args.prompt_tokens, args.max_tokens)
     cpu: dict[str, tuple[float, list[ProcessCpu]]] = {}
     started = utc_now()
-    rayinfer = run_rayinfer(args, workload, cpu)
+    rayinfer = ServerRows() if args.skip_rayinfer else run_rayinfer(args, workload, cpu)
     vllm = ServerRows() if args.skip_vllm else run_vllm(args, workload, cpu)
     run = TableRun(workload, rayinfer, vllm, cpu, args.dtype, machine_line(started, utc_now()))
     report = table(run)

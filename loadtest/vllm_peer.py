@@ -92,6 +92,7 @@ class VllmServerConfig:
     max_model_len: int = 1024
     startup_timeout_s: float = 600.0  # the first start compiles the model
     enforce_eager: bool = False  # skip the compile (quick starts for tests; slower steps)
+    extra_args: tuple[str, ...] = ()  # more of the server's flags, e.g. ("--stream-interval", "8")
 
     @property
     def url(self) -> str:
@@ -102,7 +103,7 @@ class VllmServerConfig:
             str(setup.python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir),
             "--served-model-name", self.served_model_name, "--dtype", self.dtype, "--host", "127.0.0.1",
             "--port", str(self.port), "--max-model-len", str(self.max_model_len),
-            *(["--enforce-eager"] if self.enforce_eager else []),
+            *(["--enforce-eager"] if self.enforce_eager else []), *self.extra_args,
         ]  # fmt: skip
 
 

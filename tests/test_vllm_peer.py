@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 import stat
 import time
 from pathlib import Path
@@ -18,7 +19,7 @@ from loadtest import bench
 from loadtest.http_target import BenchConfig, run_benchmark
 from loadtest.workload import Workload
 from loadtest.cpu_usage import cpu_since, cpu_snapshot
-from loadtest.peer_table import serve_config
+from loadtest.peer_table import parse_args, serve_config
 from loadtest.vllm_peer import (
     TCMALLOC, VllmServer, VllmServerConfig, VllmSetup, find_vllm, require_vllm, run_vllm_offline_target,
     start_vllm_target,
@@ -103,6 +104,16 @@ def test_the_peer_table_config_serves_the_checkpoint_and_sets_the_engine_env(tmp
     engine = next(d for d in app["deployments"] if d["name"] == "EngineDeployment")
     assert engine["ray_actor_options"]["runtime_env"] == {"env_vars": {"KMP_BLOCKTIME": "1"}}
     yaml.safe_dump(config)  # what serve run reads
+
+
+def test_vllm_is_started_with_the_flags_a_comparison_asks_for(tmp_path: Path) -> None:
+    setup = VllmSetup(tmp_path / "venv")
+    plain = VllmServerConfig(tmp_path).command(setup)
+    assert "--stream-interval" not in plain and "--enforce-eager" not in plain
+    command = VllmServerConfig(tmp_path, extra_args=("--stream-interval", "8")).command(setup)
+    assert command[:len(plain)] == plain and command[len(plain):] == ["--stream-interval", "8"]
+    args = parse_args(["--checkpoint", str(tmp_path), "--vllm-args", "--stream-interval 8", "--skip-rayinfer"])
+    assert shlex.split(args.vllm_args) == ["--stream-interval", "8"] and args.skip_rayinfer
 
 
 @pytest.fixture(scope="module")
