@@ -14,10 +14,11 @@ session 19).
 
 from __future__ import annotations
 
-import os
 from typing import Annotated, Literal
 
 from pydantic import Field
+
+from engine.cpu import usable_cpus
 
 CHUNKS_PER_S_PER_CPU = 50.0
 
@@ -26,11 +27,6 @@ CHUNKS_PER_S_PER_CPU = 50.0
 ChunkBudget = Annotated[float, Field(gt=0)] | Literal["auto"] | None
 
 
-def node_cpus() -> int:
-    """The CPUs this process may run on: the cpuset a container or taskset gave it."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
 def resolve(budget: ChunkBudget) -> float | None:
     """Chunks a second for the engine: `auto` from this process's CPUs, else as given."""
-    return CHUNKS_PER_S_PER_CPU * node_cpus() if budget == "auto" else budget
+    return CHUNKS_PER_S_PER_CPU * usable_cpus() if budget == "auto" else budget

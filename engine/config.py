@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Literal, get_args
 
 import torch
 
-from engine.cpu import cpu_features
+from engine.cpu import cpu_features, usable_cpus
 from engine.loader import WeightsMode, check_weights_mode
 
 LinearsMode = Literal["auto", "reference"]
@@ -162,7 +161,7 @@ class EngineConfig:
     def cpu_threads(self) -> int:
         if self.num_threads is not None:
             return self.num_threads
-        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        return usable_cpus()
 
 
 def _require_positive(name: str, value: int) -> None:

@@ -66,6 +66,12 @@ class CpuFeatures:
                 f"{'yes' if self.onednn_bf16 else 'no'}, native bf16 {'yes' if self.has_fast_bf16 else 'no'})")
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on: the cpuset a container or taskset gave it, where the
+    OS says (os.cpu_count() elsewhere)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 @functools.cache
 def cpu_features() -> CpuFeatures:
     """Probed once per process; RAYINFER_CPU_ISA caps it (read at the first call)."""
