@@ -34,8 +34,9 @@ class PackedLinear(nn.Module):
     With `few_rows`, a second copy of the weight stays beside it for torch.ops.rayinfer.linear
     (engine/csrc/small_linear.cpp), which runs small steps where oneDNN is slow: in bf16 on
     AVX-512 BF16, the weight in panels (`panels`) and steps of 1 to 64 rows on
-    engine/csrc/blocked_linear.cpp (BENCHMARKS.md, session 12); elsewhere, the plain weight and
-    steps of one to three rows (session 9).
+    engine/csrc/blocked_linear.cpp (BENCHMARKS.md, session 12); in fp32 on AVX2, the same on
+    engine/csrc/blocked_linear_f32.cpp (session 20); elsewhere, the plain weight and steps of
+    one to three rows (session 9).
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, few_rows: bool = False):
@@ -66,20 +67,29 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-PANEL = 32  # output features a panel: engine/csrc/blocked_linear.cpp's kPanel
+PANEL = 32  # bf16 output features a panel: engine/csrc/blocked_linear.cpp's kPanel
+F32_PANEL = 16  # fp32 output features a panel on the AVX2 build: two 8-lane vectors (blocked_linear_f32.cpp)
 
 
 def in_panels(weight: torch.Tensor) -> bool:
     """Whether our kernel takes this weight in panels: bf16 with an even number of inputs (a
-    dot product takes them in pairs), on a CPU with AVX-512 BF16 and kernels built for it."""
+    dot product takes them in pairs), on a CPU with AVX-512 BF16 and kernels built for it;
+    fp32 where the kernels are built for AVX2 (on AVX-512, oneDNN's fp32 is as fast from three
+    rows on: session 9)."""
+    if weight.dtype == torch.float32:
+        return native.isa_build() == "avx2"
     return (weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0 and cpu_features().avx512_bf16
             and native.isa_build() == "avx512")
 
 
 def panels(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] -> [ceil(N / 32), K / 2, 32, 2]: 32 output features a panel, zero past N, k-pair by
-    k-pair, so that one 64-byte load holds 16 features' weights for two inputs."""
+    """bf16 [N, K] -> [ceil(N / 32), K / 2, 32, 2]: 32 output features a panel, zero past N, k-pair
+    by k-pair, so that one 64-byte load holds 16 features' weights for two inputs. fp32 [N, K]
+    -> [ceil(N / 16), K, 16]: input by input, two 32-byte loads a panel's weights for one."""
     out_features, in_features = weight.shape
+    if weight.dtype == torch.float32:
+        padded = F.pad(weight.detach(), (0, 0, 0, -out_features % F32_PANEL))
+        return padded.view(-1, F32_PANEL, in_features).transpose(1, 2).contiguous()
     padded = F.pad(weight.detach(), (0, 0, 0, -out_features % PANEL))
     return padded.view(-1, PANEL, in_features // 2, 2).permute(0, 2, 1, 3).contiguous()
 

@@ -1,5 +1,6 @@
 """Packed linears take small steps on our kernels (`small_batch_linear`): in bf16 on AVX-512
-BF16, 1 to 64 rows on a weight in panels (engine/csrc/blocked_linear.cpp); elsewhere one to
+BF16, 1 to 64 rows on a weight in panels (engine/csrc/blocked_linear.cpp); in fp32 on the
+AVX2 build, the same on fp32 panels (engine/csrc/blocked_linear_f32.cpp); elsewhere one to
 three rows on the plain weight (engine/csrc/small_linear.cpp); more rows on oneDNN's, with the
 epilogues inductor would have fused (GELU, the residual add). The op is checked against float64 products; the engine on it
 against the reference path (F.linear) the way vLLM checks kernels against HF: the same greedy
@@ -39,6 +40,7 @@ def _name(dtype: torch.dtype) -> str:
 
 
 NO_PANELS = not in_panels(torch.zeros(1, 2, dtype=torch.bfloat16))
+NO_F32_PANELS = not in_panels(torch.zeros(1, 2))
 
 
 def _layer(dtype: torch.dtype, in_features: int, out_features: int, seed: int) -> tuple[PackedLinear, torch.Tensor]:
@@ -49,11 +51,11 @@ def _layer(dtype: torch.dtype, in_features: int, out_features: int, seed: int) -
     return PackedLinear(weight, bias, few_rows=True), weight
 
 
-# Rows: 1-3 the plain kernel's; 4 past it (oneDNN's) and, with panels, 13 (a 12-row tile and a
-# row), 64 and 65 (past the panels' kernel). Shapes (in, out): 100 inputs end inside a vector,
+# Rows: 1-3 the plain kernel's; 4 past it (oneDNN's) and, with panels, 7 and 13 (a 6-row fp32
+# tile or a 12-row bf16 tile, and a row), 64 and 65 (past the panels' kernels). Shapes (in, out): 100 inputs end inside a vector,
 # 37 outputs inside a panel; 63 inputs can't be paired, so stay plain.
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 13, 64, 65])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 13, 64, 65])
 @pytest.mark.parametrize("shape", [(64, 96), (100, 37), (63, 40)])
 @pytest.mark.parametrize("epilogue", ["none", "gelu", "add"])
 def test_products_and_epilogues_match_float64(dtype, rows, shape, epilogue):
@@ -75,6 +77,13 @@ def test_bf16_weights_go_in_panels_where_the_cpu_has_bf16_dot_products():
     assert in_panels(weight) and layer.weight.shape == (2, 50, 32, 2)  # 37 features padded to 64
     assert layer.weight[1, 3, 4].tolist() == weight[36, 6:8].tolist() and not layer.weight[1, :, 5:].any()
     assert not in_panels(weight.float()) and not in_panels(weight[:, :63])  # fp32; inputs that don't pair
+
+
+@pytest.mark.skipif(NO_F32_PANELS, reason=f"fp32 panels are the AVX2 build's; this CPU: {cpu.cpu_features().summary()}")
+def test_fp32_weights_go_in_panels_where_the_kernels_are_built_for_avx2():
+    layer, weight = _layer(torch.float32, 100, 37, seed=0)
+    assert layer.weight.shape == (3, 100, 16)  # 37 features padded to 48, input by input
+    assert layer.weight[2, 6, 4].item() == weight[36, 6].item() and not layer.weight[2, :, 5:].any()
 
 
 def test_an_unknown_epilogue_and_an_other_without_add_are_refused():

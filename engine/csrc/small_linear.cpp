@@ -1,5 +1,6 @@
 // y = epilogue(x @ weight.T + bias) for a prepacked linear (engine/packed_linear.py): where
-// its weight is in bf16 panels, 1 to 64 rows on blocked_linear.cpp's kernel; where it is plain,
+// its weight is in bf16 panels, 1 to 64 rows on blocked_linear.cpp's kernel; in fp32 panels,
+// 1 to 64 rows on blocked_linear_f32.cpp's; where it is plain,
 // up to three rows on a pass over it of our own; for more, oneDNN's product on the packed one.
 // The epilogues are those inductor fuses into oneDNN's linears in the decode graph, which it
 // cannot see through this op: "none", "gelu" (tanh-approximated, GPT-2's) and "add" (y +
@@ -24,7 +25,9 @@
 namespace rayinfer {
 at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& panels, int64_t n, const at::BFloat16* bias,
                           int kind, const at::BFloat16* other);
-constexpr int64_t kMaxBlockedRows = 64;  // past it oneDNN's product is as fast (BENCHMARKS.md, session 12)
+at::Tensor blocked_linear_f32(const at::Tensor& x, const at::Tensor& panels, int64_t n, const float* bias, int kind,
+                              const float* other);
+constexpr int64_t kMaxBlockedRows = 64;  // past it oneDNN's product is as fast (BENCHMARKS.md, sessions 12, 20)
 }  // namespace rayinfer
 
 namespace {
@@ -140,12 +143,27 @@ at::Tensor from_panels(const at::Tensor& x, const at::Tensor& packed_weight, con
                                   epilogue_kind(epilogue), o.defined() ? o.const_data_ptr<at::BFloat16>() : nullptr);
 }
 
+// weight [P, K, 2L] (fp32 panels, blocked_linear_f32.cpp): 1 to 64 rows there.
+at::Tensor from_f32_panels(const at::Tensor& x, const at::Tensor& packed_weight, const at::Tensor& panels,
+                           const std::optional<at::Tensor>& bias, c10::string_view epilogue,
+                           const std::optional<at::Tensor>& other) {
+  const int64_t K = panels.size(1), N = packed_weight.size(0);
+  const bool ours = x.dim() >= 1 && x.size(-1) == K && x.numel() > 0 && x.numel() <= rayinfer::kMaxBlockedRows * K &&
+                    x.scalar_type() == at::kFloat && (!bias || bias->scalar_type() == at::kFloat) &&
+                    (!other || (other->numel() == x.numel() / K * N && other->scalar_type() == at::kFloat));
+  if (!ours) return onednn(x, packed_weight, bias, epilogue, other);
+  const at::Tensor b = bias ? bias->contiguous() : at::Tensor(), o = other ? other->contiguous() : at::Tensor();
+  return rayinfer::blocked_linear_f32(x.contiguous(), panels, N, b.defined() ? b.const_data_ptr<float>() : nullptr,
+                                      epilogue_kind(epilogue), o.defined() ? o.const_data_ptr<float>() : nullptr);
+}
+
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed_weight, const at::Tensor& weight,
                   const std::optional<at::Tensor>& bias, c10::string_view epilogue,
                   const std::optional<at::Tensor>& other) {
   TORCH_CHECK(epilogue == "none" || epilogue == "gelu" || epilogue == "add", "linear: unknown epilogue ", epilogue);
   TORCH_CHECK((epilogue == "add") == (other.has_value() && other->defined()), "linear: `other` goes with \"add\" alone");
   if (weight.dim() == 4) return from_panels(x, packed_weight, weight, bias, epilogue, other);
+  if (weight.dim() == 3) return from_f32_panels(x, packed_weight, weight, bias, epilogue, other);
   const int64_t K = weight.size(1), N = weight.size(0);
   const bool few = x.dim() >= 1 && x.size(-1) == K && x.numel() <= max_rows(x.scalar_type()) * K && x.numel() > 0;
   const bool dense = x.is_contiguous() && weight.is_contiguous() && x.scalar_type() == weight.scalar_type() &&
