@@ -104,8 +104,13 @@ at::Tensor blocked_linear_f32(const at::Tensor& x, const at::Tensor& panels, int
     for (int64_t p = p0; p < p1; ++p) {
       const float* panel = wp + p * k_dim * 2 * kLanes;
       const float* next = p + 1 < num_panels ? panel + k_dim * 2 * kLanes : panel;
-      for (int64_t row0 = 0; row0 < rows; row0 += kTileRows) {
-        tile_rows<kTileRows>(xp, panel, next, k_dim, yp, row0, std::min<int64_t>(kTileRows, rows - row0), p * 2 * kLanes, t);
+      // The rows in as few tiles as fit, as even as can be (16: 6, 5, 5, not 6, 6, 4): a tile's
+      // pass over the panel costs its FMAs, and a short tile's too few to hide their latency.
+      const int64_t num_tiles = (rows + kTileRows - 1) / kTileRows, base = rows / num_tiles, extra = rows % num_tiles;
+      for (int64_t i = 0, row0 = 0; i < num_tiles; ++i) {
+        const int64_t tile_rows_i = base + (i < extra);
+        tile_rows<kTileRows>(xp, panel, next, k_dim, yp, row0, tile_rows_i, p * 2 * kLanes, t);
+        row0 += tile_rows_i;
       }
     }
   });
