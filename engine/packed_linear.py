@@ -75,7 +75,7 @@ def in_panels(weight: torch.Tensor) -> bool:
     """Whether our kernel takes this weight in panels: bf16 with an even number of inputs (a
     dot product takes them in pairs), on a CPU with AVX-512 BF16 and kernels built for it;
     fp32 where the kernels are built for AVX2 (on AVX-512, oneDNN's fp32 is as fast from three
-    rows on: session 9)."""
+    rows on, as the same kernel built for AVX-512 showed: sessions 9, 20)."""
     if weight.dtype == torch.float32:
         return native.isa_build() == "avx2"
     return (weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0 and cpu_features().avx512_bf16

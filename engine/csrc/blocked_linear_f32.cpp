@@ -1,13 +1,13 @@
 // y = epilogue(x @ weight.T + bias) in fp32 for 1 to 64 rows, from a weight laid out for it once
-// at load (engine/packed_linear.py f32_panels):
+// at load (engine/packed_linear.py panels):
 //
 //     panels [P, K, 2L]: panel p holds output features 2Lp .. 2Lp+2L-1 (zero past N), L the
 //     build's fp32 lanes (8 on AVX2), input by input, so two vector loads are one input's
 //     weights for the panel's features.
 //
-// Why: on AVX2 oneDNN's fp32 product reaches 60% of the rate it has on 64 rows at 16 rows, and
-// less below (BENCHMARKS.md, session 20): the rows of a prefill of one short prompt, of a
-// few streams' decodes and of the compiled graph's mixed steps. A 6-row by 2L-feature register
+// Why: on AVX2 oneDNN's fp32 product runs well below its many-row rate at these rows
+// (BENCHMARKS.md, session 20): the rows of a short prompt's prefill, of a few streams'
+// decodes and of the compiled graph's mixed steps. A 6-row by 2L-feature register
 // tile over a panel (12 accumulators, 2 weight vectors and a broadcast: 15 of AVX2's 16
 // registers), each thread streaming its own run of panels, re-reads a panel from cache for
 // each tile of rows and the weights from memory once; each tile prefetches the next panel as
@@ -84,8 +84,6 @@ void tile_rows(const float* x, const float* panel, const float* next, int64_t k_
 }
 
 }  // namespace
-
-int64_t f32_panel_width() { return 2 * kLanes; }
 
 // x [M, K] contiguous fp32, panels as above; kind as F32Tail's.
 at::Tensor blocked_linear_f32(const at::Tensor& x, const at::Tensor& panels, int64_t n, const float* bias, int kind,
