@@ -67,9 +67,9 @@ class EngineConfig:
     # copy of the weights, kept beside the packed ones (the linears' weights take twice the
     # memory): in bf16 on AVX-512 BF16, steps of 1 to 64 rows on the weights in panels
     # (engine/csrc/blocked_linear.cpp, BENCHMARKS.md session 12); in fp32 on the AVX2 build,
-    # the same on fp32 panels (engine/csrc/blocked_linear_f32.cpp, session 20); elsewhere, steps of one to
-    # three rows on the plain weights (engine/csrc/small_linear.cpp, session 9; the decode
-    # graph pads one row to two). torch: oneDNN's product for every step. auto: ours on CPU
+    # the same on fp32 panels (engine/csrc/blocked_linear_f32.cpp, session 20); elsewhere,
+    # steps of one to three rows on the plain weights (engine/csrc/small_linear.cpp, session 9;
+    # the decode graph pads one row to two). torch: oneDNN's product for every step. auto: ours on CPU
     # where the linears are packed and they build, else oneDNN's, logged.
     small_batch_linear: KernelChoice = "auto"
     seed: int = 0

@@ -51,9 +51,10 @@ def _layer(dtype: torch.dtype, in_features: int, out_features: int, seed: int) -
     return PackedLinear(weight, bias, few_rows=True), weight
 
 
-# Rows: 1-3 the plain kernel's; 4 past it (oneDNN's) and, with panels, 7 and 13 (a 6-row fp32
-# tile or a 12-row bf16 tile, and a row), 64 and 65 (past the panels' kernels). Shapes (in, out): 100 inputs end inside a vector,
-# 37 outputs inside a panel; 63 inputs can't be paired, so stay plain.
+# Rows: 1-3 the plain kernel's; 4 past it (oneDNN's) and, with panels, 7 and 13 (fp32 tiles of
+# 4+3 and 5+4+4 rows; a 12-row bf16 tile and a row), 64 and 65 (past the panels' kernels).
+# Shapes (in, out): 100 inputs end inside a vector, 37 outputs inside a panel; 63 inputs
+# can't be paired, so stay plain in bf16.
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 13, 64, 65])
 @pytest.mark.parametrize("shape", [(64, 96), (100, 37), (63, 40)])

@@ -98,13 +98,13 @@ at::Tensor blocked_linear_f32(const at::Tensor& x, const at::Tensor& panels, int
   const float* wp = panels.const_data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const F32Tail t{bias, kind, other, n};
+  // The rows in as few tiles as fit, as even as can be (16: 6, 5, 5, not 6, 6, 4): a tile's
+  // pass over a panel costs its FMAs, and a short tile's too few to hide their latency.
+  const int64_t num_tiles = (rows + kTileRows - 1) / kTileRows, base = rows / num_tiles, extra = rows % num_tiles;
   at::parallel_for(0, num_panels, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       const float* panel = wp + p * k_dim * 2 * kLanes;
       const float* next = p + 1 < num_panels ? panel + k_dim * 2 * kLanes : panel;
-      // The rows in as few tiles as fit, as even as can be (16: 6, 5, 5, not 6, 6, 4): a tile's
-      // pass over the panel costs its FMAs, and a short tile's too few to hide their latency.
-      const int64_t num_tiles = (rows + kTileRows - 1) / kTileRows, base = rows / num_tiles, extra = rows % num_tiles;
       for (int64_t i = 0, row0 = 0; i < num_tiles; ++i) {
         const int64_t tile_rows_i = base + (i < extra);
         tile_rows<kTileRows>(xp, panel, next, k_dim, yp, row0, tile_rows_i, p * 2 * kLanes, t);

@@ -129,32 +129,24 @@ int epilogue_kind(c10::string_view epilogue) {
   return epilogue == "gelu" ? Epilogue::kGelu : epilogue == "add" ? Epilogue::kAdd : Epilogue::kNone;
 }
 
-// weight [P, K/2, 32, 2] (bf16 panels, blocked_linear.cpp): 1 to 64 rows there.
-at::Tensor from_panels(const at::Tensor& x, const at::Tensor& packed_weight, const at::Tensor& panels,
-                       const std::optional<at::Tensor>& bias, c10::string_view epilogue,
-                       const std::optional<at::Tensor>& other) {
-  const int64_t K = 2 * panels.size(1), N = packed_weight.size(0);
-  const bool ours = x.dim() >= 1 && x.size(-1) == K && x.numel() > 0 && x.numel() <= rayinfer::kMaxBlockedRows * K &&
-                    x.scalar_type() == at::kBFloat16 && (!bias || bias->scalar_type() == at::kBFloat16) &&
-                    (!other || (other->numel() == x.numel() / K * N && other->scalar_type() == at::kBFloat16));
-  if (!ours) return onednn(x, packed_weight, bias, epilogue, other);
-  const at::Tensor b = bias ? bias->contiguous() : at::Tensor(), o = other ? other->contiguous() : at::Tensor();
-  return rayinfer::blocked_linear(x.contiguous(), panels, N, b.defined() ? b.const_data_ptr<at::BFloat16>() : nullptr,
-                                  epilogue_kind(epilogue), o.defined() ? o.const_data_ptr<at::BFloat16>() : nullptr);
-}
+template <typename T>
+using PanelKernel = at::Tensor (*)(const at::Tensor&, const at::Tensor&, int64_t, const T*, int, const T*);
 
-// weight [P, K, 2L] (fp32 panels, blocked_linear_f32.cpp): 1 to 64 rows there.
-at::Tensor from_f32_panels(const at::Tensor& x, const at::Tensor& packed_weight, const at::Tensor& panels,
-                           const std::optional<at::Tensor>& bias, c10::string_view epilogue,
-                           const std::optional<at::Tensor>& other) {
-  const int64_t K = panels.size(1), N = packed_weight.size(0);
+// Weights in panels of K inputs: bf16 [P, K/2, 32, 2] (blocked_linear.cpp) or fp32 [P, K, 16]
+// (blocked_linear_f32.cpp), 1 to 64 rows of the panels' dtype there; anything else, oneDNN's.
+template <typename T>
+at::Tensor on_panels(const at::Tensor& x, const at::Tensor& packed_weight, const at::Tensor& panels, int64_t K,
+                     const std::optional<at::Tensor>& bias, c10::string_view epilogue,
+                     const std::optional<at::Tensor>& other, PanelKernel<T> kernel) {
+  const int64_t N = packed_weight.size(0);
+  const auto dtype = c10::CppTypeToScalarType<T>::value;
   const bool ours = x.dim() >= 1 && x.size(-1) == K && x.numel() > 0 && x.numel() <= rayinfer::kMaxBlockedRows * K &&
-                    x.scalar_type() == at::kFloat && (!bias || bias->scalar_type() == at::kFloat) &&
-                    (!other || (other->numel() == x.numel() / K * N && other->scalar_type() == at::kFloat));
+                    x.scalar_type() == dtype && (!bias || bias->scalar_type() == dtype) &&
+                    (!other || (other->numel() == x.numel() / K * N && other->scalar_type() == dtype));
   if (!ours) return onednn(x, packed_weight, bias, epilogue, other);
   const at::Tensor b = bias ? bias->contiguous() : at::Tensor(), o = other ? other->contiguous() : at::Tensor();
-  return rayinfer::blocked_linear_f32(x.contiguous(), panels, N, b.defined() ? b.const_data_ptr<float>() : nullptr,
-                                      epilogue_kind(epilogue), o.defined() ? o.const_data_ptr<float>() : nullptr);
+  return kernel(x.contiguous(), panels, N, b.defined() ? b.const_data_ptr<T>() : nullptr, epilogue_kind(epilogue),
+                o.defined() ? o.const_data_ptr<T>() : nullptr);
 }
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed_weight, const at::Tensor& weight,
@@ -162,8 +154,11 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed_weight, const at
                   const std::optional<at::Tensor>& other) {
   TORCH_CHECK(epilogue == "none" || epilogue == "gelu" || epilogue == "add", "linear: unknown epilogue ", epilogue);
   TORCH_CHECK((epilogue == "add") == (other.has_value() && other->defined()), "linear: `other` goes with \"add\" alone");
-  if (weight.dim() == 4) return from_panels(x, packed_weight, weight, bias, epilogue, other);
-  if (weight.dim() == 3) return from_f32_panels(x, packed_weight, weight, bias, epilogue, other);
+  if (weight.dim() == 4)
+    return on_panels<at::BFloat16>(x, packed_weight, weight, 2 * weight.size(1), bias, epilogue, other,
+                                   rayinfer::blocked_linear);
+  if (weight.dim() == 3)
+    return on_panels<float>(x, packed_weight, weight, weight.size(1), bias, epilogue, other, rayinfer::blocked_linear_f32);
   const int64_t K = weight.size(1), N = weight.size(0);
   const bool few = x.dim() >= 1 && x.size(-1) == K && x.numel() <= max_rows(x.scalar_type()) * K && x.numel() > 0;
   const bool dense = x.is_contiguous() && weight.is_contiguous() && x.scalar_type() == weight.scalar_type() &&
