@@ -428,6 +428,12 @@ def test_a_killed_tokenizer_replica_is_replaced_and_service_resumes(http: httpx.
     assert killed not in replica_names("TokenizerDeployment")
 
 
+def test_a_killed_ingress_replica_is_replaced_and_service_resumes(http: httpx.Client) -> None:
+    killed = kill_the_replica("Ingress")
+    assert set(wait_until_served(http)) <= {503}  # the proxy keeps the port and answers meanwhile
+    assert killed not in replica_names("Ingress")
+
+
 def test_deleting_an_app_lets_its_live_streams_finish(tiny_gpt2_dir: Path, base_url: str) -> None:
     serve.run(make_app(app_args(tiny_gpt2_dir, api_keys=[])), name="draining", route_prefix="/draining")
     body = long_stream(PROMPTS[0], max_tokens=300) | {"stream_options": {"include_usage": True}}
