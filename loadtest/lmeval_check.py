@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -28,6 +27,8 @@ import time
 from pathlib import Path
 
 import httpx
+
+from loadtest import serve_process
 
 TOLERANCE = 1e-3
 SERVED_NAME = "tiny"
@@ -129,7 +130,8 @@ class ServeRun:
         self._log = log
         with log.open("w") as out:
             self.proc = subprocess.Popen(["serve", "run", "--address", "local", str(config)], stdout=out,
-                                         stderr=subprocess.STDOUT, env=os.environ | {"HF_HUB_OFFLINE": "1"})
+                                         stderr=subprocess.STDOUT, env=os.environ | {"HF_HUB_OFFLINE": "1"},
+                                         preexec_fn=serve_process.restore_sigint)
 
     def wait_ready(self, timeout_s: float = 240) -> None:
         deadline = time.monotonic() + timeout_s
@@ -145,12 +147,7 @@ class ServeRun:
         sys.exit("serve run not ready in time")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+        serve_process.stop(self.proc)
 
 
 def run_lm_eval(lm_eval: str, model: str, model_args: str, tasks: Path, out: Path) -> dict[str, list[dict]]:

@@ -21,7 +21,6 @@ import contextlib
 import json
 import os
 import shlex
-import signal
 import subprocess
 import sys
 import tempfile
@@ -34,6 +33,7 @@ import yaml
 
 from loadtest.http_target import BenchConfig, Target, run_benchmark
 from loadtest.results import BenchResult
+from loadtest import serve_process
 from loadtest.workload import Workload
 from loadtest.cpu_usage import ProcessCpu, cpu_since, cpu_snapshot, cpu_table, settle
 from loadtest.machine import machine_line, utc_now
@@ -128,7 +128,7 @@ def serve_run(config: dict, timeout_s: float = 300.0, app_urls: Sequence[str] = 
         yaml.safe_dump(config, file)
     log = open(Path(file.name).with_suffix(".log"), "wb")  # noqa: SIM115 - closed below
     process = subprocess.Popen(["serve", "run", file.name], stdout=log, stderr=subprocess.STDOUT,
-                               start_new_session=True)
+                               start_new_session=True, preexec_fn=serve_process.restore_sigint)
     try:
         deadline = time.monotonic() + timeout_s
         while not all(is_healthy(url) for url in app_urls):
@@ -137,20 +137,9 @@ def serve_run(config: dict, timeout_s: float = 300.0, app_urls: Sequence[str] = 
             time.sleep(1.0)
         yield process.pid
     finally:
-        _stop(process)
+        serve_process.stop(process)
         log.close()
         os.unlink(file.name)
-
-
-def _stop(process: subprocess.Popen, timeout_s: float = 60.0) -> None:
-    """Ctrl-C, as a user stops `serve run` (it shuts the app and its Ray down); then its group."""
-    if process.poll() is None:
-        process.send_signal(signal.SIGINT)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            process.wait(timeout_s)
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(process.pid, signal.SIGKILL)
-    process.wait()
 
 
 def run_rayinfer(args: argparse.Namespace, workload: TableWorkload, cpu: dict) -> ServerRows:

@@ -20,6 +20,8 @@ import pytest
 import ray
 from ray import serve
 
+from loadtest import serve_process
+
 ROOT = Path(__file__).resolve().parents[1]
 READY_TIMEOUT_S = 180
 MODEL = "tiny"  # the served_model_name every test app uses
@@ -109,7 +111,7 @@ class ServeRun:
         with log.open("w") as out:
             self.proc = subprocess.Popen([serve_executable(), "run", "--address", "local", str(config)],
                                          cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                         preexec_fn=_default_sigint)
+                                         preexec_fn=serve_process.restore_sigint)  # also under `.ci/run &`
         self._descendants: list[int] = []
 
     def wait_until_ready(self, url: str) -> None:
@@ -144,12 +146,6 @@ class ServeRun:
 
     def _children(self) -> list[int]:
         return [p.pid for p in psutil.Process(self.proc.pid).children(recursive=True)]
-
-
-def _default_sigint() -> None:
-    """Ctrl-C must reach serve run even when the tests themselves run as a background job
-    (`.ci/run &`), which starts with SIGINT ignored and would pass that on."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 @contextlib.contextmanager
