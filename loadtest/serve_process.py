@@ -17,9 +17,9 @@ def restore_sigint() -> None:
 
 
 def stop(process: subprocess.Popen, timeout_s: float = 60.0) -> None:
-    """Ctrl-C, as a user stops serve run; if it has not exited after `timeout_s`, SIGKILL to
-    everything it started, by PID: its process group misses a child that left the group
-    (Ray's `haproxy`, which then keeps the API's port)."""
+    """Ctrl-C, as a user stops serve run, and up to `timeout_s` for it to exit; then SIGKILL,
+    by PID, to it and to whatever it started that still runs. Its process group would miss a
+    child that left the group (Ray's `haproxy`, which then keeps the API's port)."""
     started: list[psutil.Process] = []
     with contextlib.suppress(psutil.NoSuchProcess):
         started = psutil.Process(process.pid).children(recursive=True)
