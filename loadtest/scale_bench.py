@@ -130,7 +130,8 @@ def _run_setup(config_path: Path, setup: str, overrides: dict, workload: PrefixW
                load_log_dir: Path, num_cpus: int) -> SetupResult:
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        controller_options = yaml.safe_load(config_path.read_text()).get("controller_options")
+        serve.start(http_options={"host": "127.0.0.1", "port": port}, controller_options=controller_options)
         serve.run(app_from_config(config_path, setup, overrides), name="rayinfer", route_prefix="/")
         target = Target(f"http://127.0.0.1:{port}", setup, model=None, ignore_eos=True)
         _warm_up(target.url)

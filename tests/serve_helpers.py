@@ -18,6 +18,7 @@ import httpx
 import psutil
 import pytest
 import ray
+import yaml
 from ray import serve
 
 from loadtest import serve_process
@@ -25,6 +26,9 @@ from loadtest import serve_process
 ROOT = Path(__file__).resolve().parents[1]
 READY_TIMEOUT_S = 180
 MODEL = "tiny"  # the served_model_name every test app uses
+# The suite's in-process Serve instances start as `serve run configs/gpt2.yaml` does: the
+# controller's environment (which its proxy and replicas inherit) is part of what ships.
+CONTROLLER_OPTIONS = yaml.safe_load((ROOT / "configs" / "gpt2.yaml").read_text())["controller_options"]
 
 
 # Below Linux's ephemeral range (32768+), where the kernel hands out ports to every process
@@ -69,6 +73,14 @@ def replica_process(deployment: str, app: str = "rayinfer") -> psutil.Process:
     return replicas[0]
 
 
+def proxy_process() -> psutil.Process:
+    """The one live process of Serve's HTTP proxy (Ray names its actor class in its command line)."""
+    proxies = [p for p in psutil.process_iter(["cmdline"])
+               if p.info["cmdline"] and p.info["cmdline"][0].startswith("ray::ProxyActor")]
+    assert len(proxies) == 1, proxies
+    return proxies[0]
+
+
 def wait_for_exit(pids: list[int], timeout_s: float = 20) -> list[int]:
     """The pids still running after timeout_s."""
     deadline = time.monotonic() + timeout_s
@@ -88,7 +100,7 @@ def running_app(app: serve.Application, name: str = "rayinfer", **ray_init_kwarg
     # gcs_server and raylet are our children; every worker is the raylet's.
     ray_pids = [p.pid for p in psutil.Process().children(recursive=True)]
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.start(http_options={"host": "127.0.0.1", "port": port}, controller_options=CONTROLLER_OPTIONS)
         serve.run(app, name=name, route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:

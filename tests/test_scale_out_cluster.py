@@ -21,7 +21,7 @@ from ray.cluster_utils import Cluster
 
 from deployments.app import make_app
 from deployments.prefix_routing import prefix_key, rendezvous_order
-from tests.serve_helpers import free_port, running_app, wait_for_exit
+from tests.serve_helpers import CONTROLLER_OPTIONS, free_port, running_app, wait_for_exit
 from tests.test_scale_out import (APP, BLOCK, KEY_BLOCKS, ROUTER, app_args, complete, engine_replicas,
                                   new_requests, random_prompt, served)
 
@@ -102,7 +102,8 @@ def test_two_nodes_serve_over_http_with_an_engine_replica_on_each(tiny_gpt2_dir:
                    {"EngineDeployment": {"num_replicas": 2, "max_replicas_per_node": 1,
                                          "request_router_config": ROUTER}})
     with two_node_cluster():
-        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
+        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port},
+                    controller_options=CONTROLLER_OPTIONS)
         serve.run(app, name=APP, route_prefix="/")
         replicas = engine_replicas()
         nodes = {replica_id: ray._private.state.actors(actor._actor_id.hex())["Address"]["NodeID"]

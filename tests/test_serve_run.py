@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from deployments.ingress import ON_REPLICA_LOOP
-from tests.serve_helpers import ROOT, free_port, replica_process, serve_run
+from tests.serve_helpers import ROOT, free_port, proxy_process, replica_process, serve_run
 
 pytestmark = pytest.mark.serve
 
@@ -31,7 +31,8 @@ def test_serve_run_gpt2_yaml_serves_a_stream_and_shuts_down_cleanly_on_sigint(tm
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}  # gpt2 with weights: auto -> random, at once
-    with serve_run(derived_config(tmp_path, port), tmp_path / "serve_run.log", env) as run:
+    config = derived_config(tmp_path, port)
+    with serve_run(config, tmp_path / "serve_run.log", env) as run:
         run.wait_until_ready(f"{url}/v1/models")
         assert httpx.get(f"{url}/v1/models").json()["data"][0]["weights"] == "random"
         body = {"model": "gpt2", "prompt": "Hello", "max_tokens": 4, "stream": True, "ignore_eos": True,
@@ -42,5 +43,8 @@ def test_serve_run_gpt2_yaml_serves_a_stream_and_shuts_down_cleanly_on_sigint(tm
         assert json.loads(payloads[-2])["usage"]["completion_tokens"] == 4
         ingress = replica_process("Ingress").environ()  # the config's ray_actor_options kept the code's variables
         assert {name: ingress.get(name) for name in ON_REPLICA_LOOP} == ON_REPLICA_LOOP
+        controller_env = yaml.safe_load(config.read_text())["controller_options"]["runtime_env"]["env_vars"]
+        proxy = proxy_process().environ()  # the config's controller_options reached Serve's proxy
+        assert {name: proxy.get(name) for name in controller_env} == controller_env
         run.stop(timeout_s=60)
 
