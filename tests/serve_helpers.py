@@ -60,25 +60,30 @@ def is_running(pid: int) -> bool:
         return False
 
 
+def titled_processes(title: str) -> list[psutil.Process]:
+    """The live processes whose title (Ray sets it to the actor's class or replica) holds `title`."""
+    return [p for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] and title in p.info["cmdline"][0]]
+
+
+def one_titled_process(title: str) -> psutil.Process:
+    processes = titled_processes(title)
+    assert len(processes) == 1, processes
+    return processes[0]
+
+
 def replica_processes(deployment: str, app: str = "rayinfer") -> list[psutil.Process]:
-    """The live replica processes of `deployment` (Ray names it in their command lines)."""
-    return [p for p in psutil.process_iter(["cmdline"])
-            if p.info["cmdline"] and f"ServeReplica:{app}:{deployment}" in p.info["cmdline"][0]]
+    """The live replica processes of `deployment`."""
+    return titled_processes(f"ServeReplica:{app}:{deployment}")
 
 
 def replica_process(deployment: str, app: str = "rayinfer") -> psutil.Process:
     """The one live replica process of `deployment`."""
-    replicas = replica_processes(deployment, app)
-    assert len(replicas) == 1, replicas
-    return replicas[0]
+    return one_titled_process(f"ServeReplica:{app}:{deployment}")
 
 
 def proxy_process() -> psutil.Process:
-    """The one live process of Serve's HTTP proxy (Ray names its actor class in its command line)."""
-    proxies = [p for p in psutil.process_iter(["cmdline"])
-               if p.info["cmdline"] and p.info["cmdline"][0].startswith("ray::ProxyActor")]
-    assert len(proxies) == 1, proxies
-    return proxies[0]
+    """The one live process of Serve's HTTP proxy."""
+    return one_titled_process("ray::ProxyActor")
 
 
 def wait_for_exit(pids: list[int], timeout_s: float = 20) -> list[int]:
