@@ -24,6 +24,7 @@ from engine import AsyncEngine
 @dataclass(frozen=True)
 class EngineLoad:
     num_active: int  # admitted and not finished: what the bounded-load router counts
+    reported_at: float  # time.time() when num_active was counted (this report)
     num_waiting: int  # of those, no token yet (queued or prefilling)
     num_waiting_prompt_tokens: int
     kv_cache_usage: float  # 0..1
@@ -48,7 +49,7 @@ class EngineLoad:
                                                           stats.num_pending_decode_tokens, stats.taken_at)
         else:
             pending_prompt, pending_decode, pending_at = 0, 0, time.time()
-        return cls(num_active=num_active, num_waiting=num_waiting,
+        return cls(num_active=num_active, reported_at=time.time(), num_waiting=num_waiting,
                    num_waiting_prompt_tokens=num_waiting_tokens, kv_cache_usage=stats.kv_cache_usage,
                    block_size=engine.config.block_size, num_kv_blocks=stats.num_kv_blocks_total,
                    num_pending_prompt_tokens=pending_prompt, num_pending_decode_tokens=pending_decode,

@@ -10,10 +10,11 @@ Set in a config file (configs/scale-out.yaml) on the EngineDeployment entry:
 Each handle (each ingress replica) has its own router instance; they agree without talking
 to each other because the choice is a pure function of the prompt's block hashes and the
 replicas' loads (deployments/prefix_routing.py). Routing never waits on anything: the load
-comes from what this process already holds: Serve's queue-length cache (every replica
-reports its ongoing requests with each response), this router's own requests from the
-moment it chose their replica, and, where the cache has nothing fresh, the replicas'
-routing stats (polled by Serve every request_routing_stats_period_s).
+comes from what this process already holds: this router's own requests in each replica,
+exactly, from the moment it chose their replica, and the other routers' as of the
+replica's last report (record_routing_stats, polled by Serve every
+request_routing_stats_period_s: request_load); where a report is stale, Serve's
+queue-length cache.
 
 load_unit: requests counts each request as one. work (deployments/prefix_routing.py
 choose_by_work) weighs a replica by the work it last reported still ahead of it
@@ -29,7 +30,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
+from collections import deque
 from dataclasses import dataclass
 from typing import Literal
 
@@ -49,9 +50,9 @@ _ENGINE_BLOCK_SIZE = 16  # EngineConfig's default, until a replica reports its o
 # send never comes back to on_request_routed or on_request_completed: it stops counting after
 # this long unconfirmed.
 _UNROUTED_TTL_S = 10.0
-# A replica's report of its pending work stands for its load only while fresh (Serve polls
-# every request_routing_stats_period_s); older (a replica slow to answer), the router counts
-# its own requests instead.
+# A replica's report (its open requests, its pending work) stands for its load only while
+# fresh (Serve polls every request_routing_stats_period_s); older (a replica slow to answer),
+# the router counts its own requests and Serve's count instead.
 _REPORT_MAX_AGE_S = 5.0
 
 
@@ -62,6 +63,7 @@ class _Placement:
     chosen_at: float  # time.time(): compared with the replicas' reports
     work: float  # what it asks of the chosen replica (load_unit work)
     is_routed: bool = False
+    ended_at: float | None = None  # time.time() when Serve told this router it ended
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,7 @@ class PrefixAffinityRouter(RequestRouter):
         self._eps, self._key_blocks = load_bound_eps, key_blocks
         self._load_unit, self._decode_token_cost = load_unit, decode_token_cost
         self._placements: dict[str, _Placement] = {}  # internal request id -> where it went
+        self._ended: deque[_Placement] = deque()  # sent and ended lately, in the order they ended
         self._shadow = CacheShadow()
         self._metrics = RouterMetrics()
 
@@ -113,7 +116,10 @@ class PrefixAffinityRouter(RequestRouter):
             placement.replica_id, placement.is_routed = replica_id.unique_id, True
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        self._placements.pop(internal_request_id, None)
+        placement = self._placements.pop(internal_request_id, None)
+        if placement is not None and placement.is_routed:
+            placement.ended_at = time.time()
+            self._ended.append(placement)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         """Serve calls this when the replica set or a replica's routing stats change."""
@@ -134,11 +140,13 @@ class PrefixAffinityRouter(RequestRouter):
         return choice, costs[choice.replica_id]
 
     def _request_loads(self, replicas: list[RunningReplica]) -> dict[str, int]:
-        """Serve's cache holds the count the replica sent with its last response (every
-        router's requests), plus this router's sends and completions since; this router's
-        own count is exact for its requests, including those chosen but not yet sent."""
-        own = self._own_loads()
-        return {r.replica_id.unique_id: max(self._queue_len(r), own.get(r.replica_id.unique_id, 0)) for r in replicas}
+        """Each replica's open requests (request_load)."""
+        live, ended, now = self._live_placements(), self._recently_ended(), time.time()
+        return {r.replica_id.unique_id: request_load(
+                    r.routing_stats or {}, self._queue_len(r),
+                    [p.chosen_at for p in live if p.replica_id == r.replica_id.unique_id],
+                    [(p.chosen_at, p.ended_at) for p in ended if p.replica_id == r.replica_id.unique_id], now)
+                for r in replicas}
 
     def _work_loads(self, prompt: _Prompt | None,
                     replicas: list[RunningReplica]) -> tuple[dict[str, float], dict[str, float]]:
@@ -168,10 +176,6 @@ class PrefixAffinityRouter(RequestRouter):
         num_cached = self._shadow.num_cached_blocks(replica_id, prompt.hashes) * prompt.block_size
         return request_work(prompt.num_tokens, num_cached, prompt.max_tokens, self._decode_token_cost)
 
-    def _own_loads(self) -> dict[str, int]:
-        """This router's requests in each replica: chosen or sent, not completed."""
-        return Counter(placement.replica_id for placement in self._live_placements())
-
     def _live_placements(self) -> list[_Placement]:
         """This router's requests chosen or sent, not completed; those chosen but never
         confirmed sent for _UNROUTED_TTL_S are forgotten."""
@@ -181,11 +185,41 @@ class PrefixAffinityRouter(RequestRouter):
                 del self._placements[request_id]
         return list(self._placements.values())
 
+    def _recently_ended(self) -> deque[_Placement]:
+        """This router's sent requests that ended within _REPORT_MAX_AGE_S: a fresh report
+        may still count them."""
+        forget_before = time.time() - _REPORT_MAX_AGE_S
+        while self._ended and self._ended[0].ended_at < forget_before:
+            self._ended.popleft()
+        return self._ended
+
     def _queue_len(self, replica: RunningReplica) -> int:
-        """Serve's cached count; the replica's own report, up to a stats period old,
-        stands in only where the cache has nothing."""
-        queue_len = self.replica_queue_len_cache.get(replica.replica_id)
-        return queue_len if queue_len is not None else (replica.routing_stats or {}).get("num_active", 0)
+        """Serve's cached count (0 where it has none fresh)."""
+        return self.replica_queue_len_cache.get(replica.replica_id) or 0
+
+
+def request_load(report: dict, queue_len: int, live: list[float], ended: list[tuple[float, float]],
+                 now: float) -> int:
+    """A replica's open requests as this router knows them: its own, exactly, and the other
+    routers' as of the replica's last report. live: when this router chose each of its open
+    requests there; ended: when it chose each of its requests there that ended lately, and
+    when it heard of the end.
+
+    The report counts every router's requests at reported_at; the others' are that count
+    less this router's that may be in it: chosen before it and not ended by then. (One
+    chosen before but not yet arrived, or ended but not yet heard of, makes the others'
+    count low by one for a stats period; never this router's own.) Serve's count is no
+    substitute while the report is fresh: it holds other routers' requests as of this
+    router's last send or probe and never hears of their end, so for up to its 10 s
+    timeout it counts requests long finished (a router that had sent nothing would spill a
+    prefix's first request off its home). Where the report is stale or missing (a replica
+    slow to answer Serve's poll): Serve's count, never fewer than this router's own."""
+    reported_at = report.get("reported_at", 0.0)
+    if now - reported_at >= _REPORT_MAX_AGE_S:
+        return max(queue_len, len(live))
+    mine_then = (sum(chosen_at <= reported_at for chosen_at in live)
+                 + sum(chosen_at <= reported_at < ended_at for chosen_at, ended_at in ended))
+    return len(live) + max(report["num_active"] - mine_then, 0)
 
 
 def _check_kwargs(load_bound_eps: float, key_blocks: int, load_unit: str, decode_token_cost: float) -> None:

@@ -16,6 +16,7 @@ from deployments.prefix_routing import (
 )
 from deployments.cache_shadow import CacheShadow
 from deployments.engine_load import LOAD_LOG_DIR_ENV, LoadLog, read_load_logs
+from deployments.router import request_load
 from engine.block_manager import BlockManager
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
@@ -95,6 +96,38 @@ def test_the_bound_is_within_one_plus_eps_times_the_mean_counting_the_new_reques
     assert load_bound(14, 2, eps=0.25) == 9  # 15: 9.375 allowed, so 9 (a ceiling gave 10, 1.33x)
     assert load_bound(99, 4, eps=0.1) == 27  # 1.1 x 25 = 27.5
     assert load_bound(2, 2, eps=0.25) == 2  # 3 in flight: no whole split within 1.25x; 2 + 1 is the best
+
+
+def test_a_fresh_report_outweighs_serves_count_of_another_routers_requests_long_ended():
+    # Serve's count probed 1 while another router's request ran; that request ended, as the
+    # replica's report 0.2 s ago says. Counting the 1 would spill this router's next request.
+    now = 1000.0
+    assert request_load({"num_active": 0, "reported_at": now - 0.2}, queue_len=1, live=[], ended=[], now=now) == 0
+
+
+def test_a_router_counts_its_own_requests_exactly_and_the_others_as_reported():
+    # The report counted 3: this router's request chosen before it (still open), its
+    # request that has ended since, and another router's. This router now has 3 open.
+    now = 1000.0
+    report = {"num_active": 3, "reported_at": now - 0.2}
+    live, ended = [now - 0.5, now - 0.1, now - 0.01], [(now - 0.6, now - 0.05), (now - 0.15, now - 0.1)]
+    assert request_load(report, queue_len=0, live=live, ended=ended, now=now) == 3 + 1
+
+
+def test_a_report_that_missed_a_routers_requests_never_lowers_its_own_count():
+    # Chosen before the report, not yet in the replica when it counted: the others' count
+    # comes out low (0), this router's own still counts.
+    now = 1000.0
+    report = {"num_active": 1, "reported_at": now - 0.1}
+    assert request_load(report, queue_len=0, live=[now - 0.3, now - 0.2], ended=[], now=now) == 2
+
+
+def test_where_the_report_is_stale_serves_count_stands_never_below_the_routers_own():
+    now = 1000.0
+    stale = {"num_active": 5, "reported_at": now - 60}
+    assert request_load(stale, queue_len=4, live=[now - 1, now - 0.1], ended=[], now=now) == 4
+    assert request_load(stale, queue_len=1, live=[now - 1, now - 0.1], ended=[], now=now) == 2
+    assert request_load({}, queue_len=0, live=[now - 0.1], ended=[], now=now) == 1  # no report yet
 
 
 def test_a_hot_key_never_puts_a_replica_past_eps_times_the_mean_while_requests_come_and_go():
