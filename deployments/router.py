@@ -93,7 +93,11 @@ class PrefixAffinityRouter(RequestRouter):
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
-        """First rank: the chosen replica. Second: the rest, for when it refuses (full)."""
+        """First rank: the chosen replica. Second, only where Serve knows it is full: the
+        rest. Serve also moves on to the next rank when its probe of a replica it has no
+        fresh count for times out (0.1 s at first: a busy machine), which would send the
+        request where the bound did not choose (a burst's spills all landed home); with one
+        rank, Serve asks again, with a longer deadline."""
         if not candidate_replicas:
             return []
         by_id = {replica.replica_id.unique_id: replica for replica in candidate_replicas}
@@ -105,7 +109,7 @@ class PrefixAffinityRouter(RequestRouter):
         if prompt is not None:
             self._shadow.record(choice.replica_id, prompt.hashes, _num_kv_blocks(by_id[choice.replica_id]))
         chosen = by_id.pop(choice.replica_id)
-        return [[chosen], list(by_id.values())] if by_id else [[chosen]]
+        return [[chosen], list(by_id.values())] if by_id and self._is_full(chosen) else [[chosen]]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
         placement = self._placements.get(pending_request.metadata.internal_request_id)
@@ -192,6 +196,10 @@ class PrefixAffinityRouter(RequestRouter):
         while self._ended and self._ended[0].ended_at < forget_before:
             self._ended.popleft()
         return self._ended
+
+    def _is_full(self, replica: RunningReplica) -> bool:
+        queue_len = self.replica_queue_len_cache.get(replica.replica_id)
+        return queue_len is not None and queue_len >= replica.max_ongoing_requests
 
     def _queue_len(self, replica: RunningReplica) -> int:
         """Serve's cached count (0 where it has none fresh)."""
