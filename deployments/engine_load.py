@@ -39,7 +39,7 @@ class EngineLoad:
 
     @classmethod
     def of(cls, engine: AsyncEngine, num_requests: int) -> EngineLoad:
-        stats, num_active = engine.stats(), engine.num_active_requests()
+        stats, num_active, now = engine.stats(), engine.num_active_requests(), time.time()
         num_waiting, num_waiting_tokens = engine.waiting_work()
         # The pending counts are as of the engine's last step; with no request open they are
         # zero now, and say so: an idle replica's report never ages into "unknown", where a
@@ -48,8 +48,8 @@ class EngineLoad:
             pending_prompt, pending_decode, pending_at = (stats.num_pending_prompt_tokens,
                                                           stats.num_pending_decode_tokens, stats.taken_at)
         else:
-            pending_prompt, pending_decode, pending_at = 0, 0, time.time()
-        return cls(num_active=num_active, reported_at=time.time(), num_waiting=num_waiting,
+            pending_prompt, pending_decode, pending_at = 0, 0, now
+        return cls(num_active=num_active, reported_at=now, num_waiting=num_waiting,
                    num_waiting_prompt_tokens=num_waiting_tokens, kv_cache_usage=stats.kv_cache_usage,
                    block_size=engine.config.block_size, num_kv_blocks=stats.num_kv_blocks_total,
                    num_pending_prompt_tokens=pending_prompt, num_pending_decode_tokens=pending_decode,
