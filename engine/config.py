@@ -49,6 +49,11 @@ class EngineConfig:
     # inverse-CDF draw) compiles with it, so a sampled step leaves eager ATen too. Off by
     # default so that tests and scripts start at once; configs/gpt2.yaml sets auto.
     compile_decode: bool | Literal["auto"] = False
+    # On CUDA, steps of one-token rows (decodes) replayed from CUDA graphs captured before the
+    # engine serves, one per bucket of rows and block-table width (engine/cuda_graphs.py);
+    # other steps run eagerly. auto: on CUDA where compile_decode is off (vLLM's default; false
+    # is its enforce_eager); true: the same, and an error off CUDA.
+    cuda_graphs: bool | Literal["auto"] = "auto"
     # The compiled decode graph's attention. native: our C++ kernel (engine/native_attention.py,
     # built once per machine for the probed ISA, ~10 s); torch: the same math as a PyTorch
     # expression inductor compiles; auto: native on CPU where it builds, else torch, logged.
@@ -98,8 +103,9 @@ class EngineConfig:
         check_weights_mode(self.weights)
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
-        if self.compile_decode not in (True, False, "auto"):
-            raise ValueError(f"compile_decode must be true, false or auto, got {self.compile_decode!r}")
+        for name in ("compile_decode", "cuda_graphs"):
+            if getattr(self, name) not in (True, False, "auto"):
+                raise ValueError(f"{name} must be true, false or auto, got {getattr(self, name)!r}")
         for name in ("decode_attention", "sampler", "small_batch_linear"):
             if getattr(self, name) not in get_args(KernelChoice):
                 raise ValueError(f"{name} must be auto, native or torch, got {getattr(self, name)!r}")
@@ -157,6 +163,16 @@ class EngineConfig:
         if self.compile_decode == "auto":
             return self.torch_device.type == "cpu"
         return bool(self.compile_decode)
+
+    @cached_property
+    def decode_graphed(self) -> bool:
+        """Whether decode steps replay CUDA graphs (cuda_graphs resolved)."""
+        on_cuda = self.torch_device.type == "cuda"
+        if self.cuda_graphs is True and not on_cuda:
+            raise ValueError(f"cuda_graphs: true needs a CUDA device, not {self.torch_device}")
+        if self.cuda_graphs is True and self.decode_compiled:
+            raise ValueError("cuda_graphs: true and compile_decode: true both choose how decode steps run: pick one")
+        return on_cuda and self.cuda_graphs is not False and not self.decode_compiled
 
     @cached_property
     def cpu_threads(self) -> int:

@@ -11,6 +11,7 @@ import torch
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, LinearsMode
 from engine.cpu import cpu_features
+from engine.cuda_graphs import CudaGraphDecode
 from engine.decode_graph import DecodeGraph
 from engine.heap import limit_onednn_caches
 from engine.kernel_choice import decode_attention, sampler_draw, small_batch_linear
@@ -37,6 +38,7 @@ _TYPICAL_DECODE_BATCH = 32  # the rows the decode graph is compiled at (its heur
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
+        graphed = config.decode_graphed  # resolved where the engine runs: refuses cuda_graphs: true off CUDA
         limit_onednn_caches()
         self.step_threads = _set_up_threads(config)
         source = resolve_model(config.model, config.weights)
@@ -53,9 +55,12 @@ class LLMEngine:
         num_blocks = self._num_kv_blocks(model)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        graph = None
+        graph: DecodeGraph | CudaGraphDecode | None = None
         native_draw = sampler_draw(config)
-        if config.decode_compiled:
+        if graphed:
+            graph = CudaGraphDecode(model, config.max_num_seqs, -(-self.max_model_len // config.block_size),
+                                    argmax=native_draw is None)
+        elif config.decode_compiled:
             graph = DecodeGraph(model, config.torch_device, decode_attention(config, hf.n_embd // hf.n_head),
                                 argmax_in_graph=native_draw is None)
         # On CUDA the draw stays eager: ATen's argmax, sort and cumsum are GPU kernels already,
@@ -63,10 +68,13 @@ class LLMEngine:
         # into the cumsum's split-scan kernel ("NYI TritonSplitDimKernel reductions").
         compiled_draw = graph is not None and config.torch_device.type == "cpu"
         sampler = Sampler(config.seed, config.torch_device, compiled=compiled_draw, native=native_draw)
+        prefill_tokens = CudaGraphDecode.max_prefill_tokens if graphed else config.graph_prefill_tokens
         self.runner = ModelRunner(model, num_blocks, config.block_size, sampler, config.compile_attention, graph,
-                                  config.graph_prefill_tokens)
-        if graph is not None:
+                                  prefill_tokens)
+        if isinstance(graph, DecodeGraph):
             self.runner.decode_graph = self._warm_up(graph)
+        elif graph is not None:
+            self.runner.decode_graph = self._capture(graph)
         self._seqs: dict[str, Sequence] = {}
         self._num_prompt_tokens = 0
         self._num_generated_tokens = 0
@@ -203,6 +211,15 @@ class LLMEngine:
             logger.warning("compile_decode: the sampler's draw did not compile (%r); it runs on eager torch ops", exc)
             self._eager_sampler()
         return graph
+
+    def _capture(self, graphs: CudaGraphDecode) -> CudaGraphDecode | None:
+        """The CUDA graphs captured now; None (eager decode steps, logged) where capture fails."""
+        try:
+            graphs.capture(self.runner.kv_pool)
+        except Exception as exc:  # noqa: BLE001 - any capture failure: serve on the eager path
+            logger.warning("cuda_graphs: capture failed (%r); decode steps run eagerly", exc)
+            return None
+        return graphs
 
     def _at_each_thread_count(self, compile_now: Callable[[], None]) -> None:
         """Compile at every thread count steps run at (step_threads): dynamo guards on torch's

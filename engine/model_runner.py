@@ -9,6 +9,7 @@ import torch
 
 import engine.kv_pool as kv_pool
 from engine.attention import AttentionGroup, AttentionMetadata
+from engine.cuda_graphs import CudaGraphDecode
 from engine.decode_graph import DecodeGraph, layer_caches
 from engine.logits_controls import LogitsControls
 from engine.logprobs import PromptScoring, TokenLogprob, token_logprobs
@@ -36,7 +37,7 @@ def _samples(seq: Sequence, num_new: int) -> bool:
 
 class ModelRunner:
     def __init__(self, model: GPT2LMHead, num_blocks: int, block_size: int, sampler: Sampler,
-                 fused_decode: bool = False, decode_graph: DecodeGraph | None = None, graph_prefill_tokens: int = 0):
+                 fused_decode: bool = False, decode_graph: DecodeGraph | CudaGraphDecode | None = None, graph_prefill_tokens: int = 0):
         self.model = model
         self.decode_graph = decode_graph
         self.graph_prefill_tokens = graph_prefill_tokens  # EngineConfig's

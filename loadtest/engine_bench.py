@@ -96,17 +96,20 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--compile-decode", action="store_true", help="decode steps through the compiled graph")
+    parser.add_argument("--cuda-graphs", choices=["auto", "true", "false"], default="auto",
+                        help="decode steps replayed from CUDA graphs (EngineConfig.cuda_graphs; auto: on CUDA)")
     parser.add_argument("--skip-hf", action="store_true")
     args = parser.parse_args()
 
     config = EngineConfig(model=args.model, weights="random", dtype=args.dtype, device=args.device,
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=max(512, args.max_num_seqs),
-                          compile_decode=args.compile_decode)
+                          compile_decode=args.compile_decode,
+                          cuda_graphs={"true": True, "false": False}.get(args.cuda_graphs, "auto"))
     engine = LLMEngine(config)
     prompts = make_prompts(args.num_requests, args.prompt_len, engine.model_info.vocab_size)
     run_engine(engine, prompts[:4], 4)  # warm-up
     print(f"model={args.model} dtype={args.dtype} device={args.device} threads={torch.get_num_threads()} "
-          f"compile_decode={args.compile_decode} requests={args.num_requests} prompt_len={args.prompt_len} max_tokens={args.max_tokens}")
+          f"compile_decode={args.compile_decode} cuda_graphs={config.decode_graphed} requests={args.num_requests} prompt_len={args.prompt_len} max_tokens={args.max_tokens}")
     results = [run_engine(engine, prompts, args.max_tokens)]
     single = decode_ms_per_token(engine, prompts[0], args.max_tokens)
     if not args.skip_hf:

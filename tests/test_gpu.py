@@ -1,5 +1,6 @@
 """The CUDA path runs the same code as the CPU path (skipped without a GPU): its eager steps
-token-exact with Hugging Face (on the CPU) in fp32 whatever the batching does, and the
+and its CUDA-graph decode steps token-exact with Hugging Face (on the CPU) in fp32 whatever
+the batching does, the graphs' steps close to the eager ones in both dtypes, and the
 compiled graph (inductor's Triton kernels, the attention expression reading the pools in
 place) checked against the eager steps in both dtypes, as on CPU (tests/test_decode_graph.py)."""
 
@@ -10,6 +11,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.attention import decode_attention_with_own
+from engine.cuda_graphs import CudaGraphDecode
 from tests.engine_helpers import hf_greedy, hf_model, mixed_prompts, record_steps
 from tests.test_decode_graph import assert_alone_and_together_close, num_compiled_graphs
 
@@ -33,10 +35,38 @@ def assert_matches_hf(llm: LLM, hf, prompts: list[list[int]]) -> None:
     assert llm.engine.stats().num_kv_blocks_used == 0
 
 
-def test_cuda_greedy_matches_hf_on_cpu_in_fp32(tiny_gpt2_dir):
-    llm = LLM(str(tiny_gpt2_dir), weights="pretrained", dtype="float32", device="cuda")
+@pytest.mark.parametrize("cuda_graphs", [False, True])
+def test_cuda_greedy_matches_hf_on_cpu_in_fp32(tiny_gpt2_dir, cuda_graphs: bool):
+    llm = LLM(str(tiny_gpt2_dir), weights="pretrained", dtype="float32", device="cuda", cuda_graphs=cuda_graphs)
     assert llm.engine.model_info.device.startswith("cuda")
+    assert isinstance(llm.engine.runner.decode_graph, CudaGraphDecode) is cuda_graphs
     assert_matches_hf(llm, hf_model(tiny_gpt2_dir), mixed_prompts(8))
+    if cuda_graphs:
+        assert llm.engine.runner.decode_graph.num_steps > 0
+
+
+@pytest.mark.parametrize("dtype, atol", [("float32", 1e-3), ("bfloat16", 0.15)])
+def test_cuda_graphs_match_the_eager_path(tiny_gpt2_dir, dtype: str, atol: float):
+    """Decode steps replayed from the graphs (auto on CUDA) at the buckets the prompts reach:
+    one to 8 rows, contexts of one to 9 blocks, one-token prompts among them; logprobs within
+    atol of the eager steps', every step of one-token rows replayed, the pool left consistent."""
+    config = dict(weights="pretrained", dtype=dtype, device="cuda", max_num_batched_tokens=40, max_num_seqs=8)
+    graphed = LLM(str(tiny_gpt2_dir), **config)
+    graphs = graphed.engine.runner.decode_graph
+    assert isinstance(graphs, CudaGraphDecode)
+    assert graphs.rows == [1, 2, 4, 8] and graphs.widths == [1, 2, 4, 8, 16, 32, 64]  # 1024 positions, blocks of 16
+    assert graphs.num_graphs == 4 * 7
+    steps = record_steps(graphed.engine)
+    eager = LLM(str(tiny_gpt2_dir), cuda_graphs=False, **config)
+    assert eager.engine.runner.decode_graph is None
+    prompts = mixed_prompts(12)
+    assert_alone_and_together_close(graphed, eager, prompts, atol)
+    sampled = graphed.generate(prompts[:3], SamplingParams(max_tokens=8, temperature=0.8, seed=1, ignore_eos=True))
+    assert all(len(output.token_ids) == 8 for output in sampled)
+    assert graphs.num_steps == sum(all(n == 1 for n in step) for step in steps) > 0
+    assert graphs.num_graphs == 4 * 7  # nothing captured after startup
+    graphed.engine.check_integrity()
+    assert graphed.engine.stats().num_kv_blocks_used == 0
 
 
 def test_cuda_prefix_hits_chunks_and_preemption_match_hf(tiny_gpt2_dir):
@@ -61,7 +91,7 @@ def test_cuda_compiled_graph_matches_the_eager_path(tiny_gpt2_dir, dtype: str, a
     assert fast.engine.runner.decode_graph.attention is decode_attention_with_own  # auto on CUDA
     compiled = num_compiled_graphs()
     steps = record_steps(fast.engine)
-    eager = LLM(str(tiny_gpt2_dir), **config)
+    eager = LLM(str(tiny_gpt2_dir), cuda_graphs=False, **config)
     prompts = mixed_prompts(12)
     assert_alone_and_together_close(fast, eager, prompts, atol)
     sampled = fast.generate(prompts[:3], SamplingParams(max_tokens=8, temperature=0.8, seed=1, ignore_eos=True))
