@@ -45,14 +45,16 @@ class EngineConfig:
     # process: freezing keeps it out of inductor's on-disk cache); where it cannot compile,
     # decode steps stay eager, with a warning. auto: on on CPU, in bf16 and fp32 (BENCHMARKS.md,
     # "The whole decode forward compiled"; fp32 won only once the graph's attention was our
-    # kernel, "A decode attention of our own"). The sampler's draw (argmax, or softmax and an
+    # kernel, "A decode attention of our own"), and on CUDA inside cuda_graphs' graphs. The sampler's draw (argmax, or softmax and an
     # inverse-CDF draw) compiles with it, so a sampled step leaves eager ATen too. Off by
     # default so that tests and scripts start at once; configs/gpt2.yaml sets auto.
     compile_decode: bool | Literal["auto"] = False
     # On CUDA, steps of one-token rows (decodes) replayed from CUDA graphs captured before the
     # engine serves, one per bucket of rows and block-table width (engine/cuda_graphs.py);
-    # other steps run eagerly. auto: on CUDA where compile_decode is off (vLLM's default; false
-    # is its enforce_eager); true: the same, and an error off CUDA.
+    # other steps run eagerly. With compile_decode (auto on CUDA: on) the graphs hold the
+    # compiled step, Triton kernels for the fused pieces (BENCHMARKS.md, "On a GPU", session 26).
+    # auto: on CUDA (vLLM's default; false is its enforce_eager); true: the same, and an
+    # error off CUDA.
     cuda_graphs: bool | Literal["auto"] = "auto"
     # The compiled decode graph's attention. native: our C++ kernel (engine/native_attention.py,
     # built once per machine for the probed ISA, ~10 s); torch: the same math as a PyTorch
@@ -161,7 +163,9 @@ class EngineConfig:
     def decode_compiled(self) -> bool:
         """Whether decode steps run through the compiled graph (compile_decode resolved)."""
         if self.compile_decode == "auto":
-            return self.torch_device.type == "cpu"
+            # On CUDA only inside CUDA graphs: launched from Python, inductor's kernels lost to
+            # the eager step at 32 sequences (BENCHMARKS.md, "On a GPU", sessions 19, 23, 26).
+            return self.torch_device.type == "cpu" or self.cuda_graphs is not False
         return bool(self.compile_decode)
 
     @cached_property
@@ -170,9 +174,7 @@ class EngineConfig:
         on_cuda = self.torch_device.type == "cuda"
         if self.cuda_graphs is True and not on_cuda:
             raise ValueError(f"cuda_graphs: true needs a CUDA device, not {self.torch_device}")
-        if self.cuda_graphs is True and self.decode_compiled:
-            raise ValueError("cuda_graphs: true and compile_decode: true both choose how decode steps run: pick one")
-        return on_cuda and self.cuda_graphs is not False and not self.decode_compiled
+        return on_cuda and self.cuda_graphs is not False
 
     @cached_property
     def cpu_threads(self) -> int:

@@ -1,5 +1,5 @@
 """Decode steps on CUDA replayed from CUDA graphs (`cuda_graphs`), as vLLM's CUDA path runs
-them. Eager, a step at one sequence is ~5 ms of Python launching the forward's ~300 small
+them. Eager, a step at a few sequences is mostly Python launching the forward's small
 kernels while the GPU idles (BENCHMARKS.md, "On a GPU"); a replay launches them all at once.
 
 A graph records fixed shapes and addresses, so the steps are bucketed: one graph per (rows,
@@ -7,10 +7,10 @@ block-table width) bucket, captured before the engine serves, all reading the sa
 input buffers and writing the same static outputs. A step's inputs are copied into the
 buffers and padded to its bucket: a padding row is token 0 at position 0 with no cached
 token, so it attends to itself alone (no NaN), and a padding block is block 0, which no
-row's context reaches. The graph computes what engine/decode_graph.py's `decode_step` does,
-eagerly recorded: the pools read in place, every row's logits, greedy token and new k, v;
-the real rows' k, v are written to the pool after the replay, so the graph never mutates
-the pool.
+row's context reaches. A graph records engine/decode_graph.py's `decode_step`, eager or
+compiled by inductor (compile_decode): the pools read in place, every row's logits, greedy
+token and new k, v out. The real rows' k, v are written to the pool after the replay, so
+the graph never mutates the pool.
 
 Only steps whose every row is one token take a graph; a row of one token attends to its
 position's worth of cached tokens and itself, whether it decodes or is a one-token prompt
@@ -27,25 +27,26 @@ import torch
 
 from engine.attention import decode_attention_with_own
 from engine.decode_graph import decode_step, write_new_kv
+from engine.inductor import compile_for
 from engine.models.gpt2 import GPT2LMHead
 
 logger = logging.getLogger(__name__)
 
 
-def row_buckets(max_rows: int) -> list[int]:
+def row_buckets(max_rows: int, smallest: int = 1) -> list[int]:
     """Step sizes captured: 1, 2, 4, then every 8 up to 64, every 16 up to 128, every 32
     beyond (vLLM's spacing, thinned past 64 rows where a padding row's share is small), and
-    max_rows itself."""
+    max_rows itself; none below `smallest`."""
     sizes = [1, 2, 4, *range(8, 65, 8), *range(80, 129, 16), *range(160, max_rows + 1, 32)]
-    return sorted({size for size in sizes if size < max_rows} | {max_rows})
+    return sorted({max(size, smallest) for size in sizes if size < max_rows} | {max(max_rows, smallest)})
 
 
-def width_buckets(max_width: int) -> list[int]:
-    """Block-table widths captured: powers of two below max_width, and max_width. A decode's
-    attention reads every block of its row's table, so a step pads at most to twice its
-    longest context."""
-    widths = [1 << i for i in range(max_width.bit_length()) if 1 << i < max_width]
-    return [*widths, max_width]
+def width_buckets(max_width: int, smallest: int = 1) -> list[int]:
+    """Block-table widths captured: powers of two below max_width, and max_width; none below
+    `smallest`. A decode's attention reads every block of its row's table, so a step pads at
+    most to twice its longest context."""
+    widths = [max(1 << i, smallest) for i in range(max_width.bit_length()) if 1 << i < max_width]
+    return sorted({*widths, max(max_width, smallest)})
 
 
 def bucket(sizes: list[int], n: int) -> int:
@@ -62,16 +63,29 @@ class CudaGraphDecode:
     max_prefill_tokens = 0  # the runner sends only steps of one-token rows
     native_write = False  # the eager steps write k, v with index_copy_ (our C++ copy is CPU's)
 
-    def __init__(self, model: GPT2LMHead, max_rows: int, max_width: int, argmax: bool = True):
-        self.rows, self.widths = row_buckets(max_rows), width_buckets(max_width)
-        self.argmax = argmax
-        self._step = functools.partial(decode_step, model, decode_attention_with_own, argmax)
+    def __init__(self, model: GPT2LMHead, max_rows: int, max_width: int, argmax: bool = True,
+                 compiled: bool = False):
+        # compiled (compile_decode: true): the step is inductor's graph of it, Triton kernels
+        # with the attention's gathers fused into its reductions, captured like the eager one.
+        # Its buckets start at 2, as DecodeGraph pads to: dynamo would compile a size of 1
+        # into a graph of its own.
+        smallest = 2 if compiled else 1
+        self.rows, self.widths = row_buckets(max_rows, smallest), width_buckets(max_width, smallest)
+        self.argmax, self.compiled = argmax, compiled
+        self._model, self._max_rows, self._max_width = model, max_rows, max_width
+        step = functools.partial(decode_step, model, decode_attention_with_own, argmax)
+        device = next(model.parameters()).device
+        self._step = compile_for(device, step, dynamic=True, freezing=True) if compiled else step
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.num_steps = 0  # steps replayed
 
     @property
     def num_graphs(self) -> int:
         return len(self._graphs)
+
+    def eager(self) -> CudaGraphDecode:
+        """The same graphs of the eager step: what serves where the compiled one cannot capture."""
+        return CudaGraphDecode(self._model, self._max_rows, self._max_width, self.argmax)
 
     @torch.inference_mode()
     def capture(self, kv_pool: torch.Tensor) -> None:
@@ -120,9 +134,15 @@ class CudaGraphDecode:
         def indices(*shape: int) -> torch.Tensor:
             return torch.zeros(shape, dtype=torch.int64, device=kv_pool.device)
 
-        self._input_ids, self._positions, self._block_tables = indices(rows), indices(rows), indices(rows, width)
-        logits, _, _ = self._step(self._input_ids[:1], self._positions[:1], kv_pool, self._block_tables[:1, :1], None,
-                                  None)
+        # A column more than any bucket reads: every bucket's block table is then a view with
+        # the same row stride, never a contiguous one (which a compiled step guards apart).
+        self._input_ids, self._positions, self._block_tables = indices(rows), indices(rows), indices(rows, width + 1)
+        if self.compiled:
+            torch._dynamo.mark_static(kv_pool)
+        # The first call compiles a compiled step: rows and width unequal (3 and 4), or
+        # dynamo would give them one symbol and compile again at the first step where they differ.
+        logits, _, _ = self._step(self._input_ids[:3], self._positions[:3], kv_pool, self._block_tables[:3, :4],
+                                  None, None)
         self._logits = logits.new_empty(rows, logits.shape[1])
         self._greedy = indices(rows)
         self._new_kv = kv_pool.new_empty(num_layers * 2 * num_heads, rows, head_dim)

@@ -59,7 +59,7 @@ class LLMEngine:
         native_draw = sampler_draw(config)
         if graphed:
             graph = CudaGraphDecode(model, config.max_num_seqs, -(-self.max_model_len // config.block_size),
-                                    argmax=native_draw is None)
+                                    argmax=native_draw is None, compiled=config.decode_compiled)
         elif config.decode_compiled:
             graph = DecodeGraph(model, config.torch_device, decode_attention(config, hf.n_embd // hf.n_head),
                                 argmax_in_graph=native_draw is None)
@@ -213,10 +213,14 @@ class LLMEngine:
         return graph
 
     def _capture(self, graphs: CudaGraphDecode) -> CudaGraphDecode | None:
-        """The CUDA graphs captured now; None (eager decode steps, logged) where capture fails."""
+        """The CUDA graphs captured now. Where the compiled step cannot compile or capture,
+        graphs of the eager step; where those cannot capture, None (eager decode steps). Logged."""
         try:
             graphs.capture(self.runner.kv_pool)
-        except Exception as exc:  # noqa: BLE001 - any capture failure: serve on the eager path
+        except Exception as exc:  # noqa: BLE001 - any compile or capture failure: serve on a slower path
+            if graphs.compiled:
+                logger.warning("cuda_graphs: the compiled step did not capture (%r); graphs of the eager step", exc)
+                return self._capture(graphs.eager())
             logger.warning("cuda_graphs: capture failed (%r); decode steps run eagerly", exc)
             return None
         return graphs

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.config import EngineConfig
 from engine.attention import decode_attention_with_own
 from engine.cuda_graphs import CudaGraphDecode
 from tests.engine_helpers import hf_greedy, hf_model, mixed_prompts, record_steps
@@ -45,17 +46,24 @@ def test_cuda_greedy_matches_hf_on_cpu_in_fp32(tiny_gpt2_dir, cuda_graphs: bool)
         assert llm.engine.runner.decode_graph.num_steps > 0
 
 
+@pytest.mark.parametrize("compiled", [False, True])
 @pytest.mark.parametrize("dtype, atol", [("float32", 1e-3), ("bfloat16", 0.15)])
-def test_cuda_graphs_match_the_eager_path(tiny_gpt2_dir, dtype: str, atol: float):
-    """Decode steps replayed from the graphs (auto on CUDA) at the buckets the prompts reach:
-    one to 8 rows, contexts of one to 9 blocks, one-token prompts among them; logprobs within
-    atol of the eager steps', every step of one-token rows replayed, the pool left consistent."""
+def test_cuda_graphs_match_the_eager_path(tiny_gpt2_dir, dtype: str, atol: float, compiled: bool):
+    """Decode steps replayed from the graphs (auto on CUDA; of the compiled step with
+    compile_decode) at the buckets the prompts reach: one to 8 rows, contexts of one to 9
+    blocks, one-token prompts among them; logprobs within atol of the eager steps', every
+    step of one-token rows replayed, nothing compiled or captured after startup, the pool
+    left consistent."""
     config = dict(weights="pretrained", dtype=dtype, device="cuda", max_num_batched_tokens=40, max_num_seqs=8)
-    graphed = LLM(str(tiny_gpt2_dir), **config)
+    graphed = LLM(str(tiny_gpt2_dir), compile_decode=compiled, **config)
+    compiled_at_start = num_compiled_graphs()
     graphs = graphed.engine.runner.decode_graph
-    assert isinstance(graphs, CudaGraphDecode)
-    assert graphs.rows == [1, 2, 4, 8] and graphs.widths == [1, 2, 4, 8, 16, 32, 64]  # 1024 positions, blocks of 16
-    assert graphs.num_graphs == 4 * 7
+    assert isinstance(graphs, CudaGraphDecode) and graphs.compiled is compiled
+    smallest = 2 if compiled else 1  # 1024 positions in blocks of 16: up to 64 blocks
+    assert graphs.rows == [n for n in (1, 2, 4, 8) if n >= smallest]
+    assert graphs.widths == [n for n in (1, 2, 4, 8, 16, 32, 64) if n >= smallest]
+    num_graphs = len(graphs.rows) * len(graphs.widths)
+    assert graphs.num_graphs == num_graphs
     steps = record_steps(graphed.engine)
     eager = LLM(str(tiny_gpt2_dir), cuda_graphs=False, **config)
     assert eager.engine.runner.decode_graph is None
@@ -64,7 +72,7 @@ def test_cuda_graphs_match_the_eager_path(tiny_gpt2_dir, dtype: str, atol: float
     sampled = graphed.generate(prompts[:3], SamplingParams(max_tokens=8, temperature=0.8, seed=1, ignore_eos=True))
     assert all(len(output.token_ids) == 8 for output in sampled)
     assert graphs.num_steps == sum(all(n == 1 for n in step) for step in steps) > 0
-    assert graphs.num_graphs == 4 * 7  # nothing captured after startup
+    assert graphs.num_graphs == num_graphs and num_compiled_graphs() == compiled_at_start
     graphed.engine.check_integrity()
     assert graphed.engine.stats().num_kv_blocks_used == 0
 
@@ -87,7 +95,7 @@ def test_cuda_compiled_graph_matches_the_eager_path(tiny_gpt2_dir, dtype: str, a
     """Every step on the graph (a 40-token budget): decodes, prompts alone and together,
     chunks of long prompts beside decodes; nothing compiles after startup."""
     config = dict(weights="pretrained", dtype=dtype, device="cuda", max_num_batched_tokens=40, max_num_seqs=8)
-    fast = LLM(str(tiny_gpt2_dir), compile_decode=True, **config)
+    fast = LLM(str(tiny_gpt2_dir), compile_decode=True, cuda_graphs=False, **config)
     assert fast.engine.runner.decode_graph.attention is decode_attention_with_own  # auto on CUDA
     compiled = num_compiled_graphs()
     steps = record_steps(fast.engine)
@@ -108,3 +116,25 @@ def test_cuda_auto_dtype_and_seeded_sampling(tiny_gpt2_dir):
     alone = llm.generate([[1, 2, 3]], params)[0].token_ids
     batched = llm.generate(mixed_prompts(4) + [[1, 2, 3]], params)[-1].token_ids
     assert alone == batched
+
+
+def test_cuda_compile_decode_auto_compiles_inside_cuda_graphs_only():
+    assert EngineConfig(device="cuda", compile_decode="auto").decode_compiled
+    assert not EngineConfig(device="cuda", compile_decode="auto", cuda_graphs=False).decode_compiled
+    assert not EngineConfig(device="cuda").decode_compiled  # compile_decode's default: off
+
+
+def test_a_compiled_step_that_cannot_capture_falls_back_to_graphs_of_the_eager_step(tiny_gpt2_dir, monkeypatch):
+    capture = CudaGraphDecode.capture
+
+    def capture_eager_only(self, kv_pool):  # the fault: the compiled step fails to capture
+        if self.compiled:
+            raise RuntimeError("injected: no capture of the compiled step")
+        capture(self, kv_pool)
+
+    monkeypatch.setattr(CudaGraphDecode, "capture", capture_eager_only)
+    llm = LLM(str(tiny_gpt2_dir), weights="pretrained", dtype="float32", device="cuda", compile_decode="auto")
+    graphs = llm.engine.runner.decode_graph
+    assert isinstance(graphs, CudaGraphDecode) and not graphs.compiled and graphs.num_graphs > 0
+    assert_matches_hf(llm, hf_model(tiny_gpt2_dir), mixed_prompts(4))
+    assert graphs.num_steps > 0
