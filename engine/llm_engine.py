@@ -55,26 +55,8 @@ class LLMEngine:
         num_blocks = self._num_kv_blocks(model)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        graph: DecodeGraph | CudaGraphDecode | None = None
-        native_draw = sampler_draw(config)
-        if graphed:
-            graph = CudaGraphDecode(model, config.max_num_seqs, -(-self.max_model_len // config.block_size),
-                                    argmax=native_draw is None, compiled=config.decode_compiled)
-        elif config.decode_compiled:
-            graph = DecodeGraph(model, config.torch_device, decode_attention(config, hf.n_embd // hf.n_head),
-                                argmax_in_graph=native_draw is None)
-        # On CUDA the draw stays eager: ATen's argmax, sort and cumsum are GPU kernels already,
-        # and inductor (torch 2.11, H100) cannot generate the compiled draw: it fuses the argmax
-        # into the cumsum's split-scan kernel ("NYI TritonSplitDimKernel reductions").
-        compiled_draw = graph is not None and config.torch_device.type == "cpu"
-        sampler = Sampler(config.seed, config.torch_device, compiled=compiled_draw, native=native_draw)
-        prefill_tokens = CudaGraphDecode.max_prefill_tokens if graphed else config.graph_prefill_tokens
-        self.runner = ModelRunner(model, num_blocks, config.block_size, sampler, config.compile_attention, graph,
-                                  prefill_tokens)
-        if isinstance(graph, DecodeGraph):
-            self.runner.decode_graph = self._warm_up(graph)
-        elif graph is not None:
-            self.runner.decode_graph = self._capture(graph)
+        self.runner = self._runner(model, num_blocks, graphed)
+        self.runner.decode_graph = self._ready(self.runner.decode_graph)
         self._seqs: dict[str, Sequence] = {}
         self._num_prompt_tokens = 0
         self._num_generated_tokens = 0
@@ -193,6 +175,34 @@ class LLMEngine:
     def check_integrity(self) -> None:
         """Assert the KV pool's invariants against the live sequences (tests call this)."""
         self.block_manager.check_integrity(list(self._seqs.values()))
+
+    def _runner(self, model: GPT2LMHead, num_blocks: int, graphed: bool) -> ModelRunner:
+        """The model runner, with the graph its decode steps take where the config asks for one:
+        CUDA graphs (`graphed`), or the compiled graph; not yet compiled or captured."""
+        config, hf = self.config, model.config
+        native_draw = sampler_draw(config)
+        graph: DecodeGraph | CudaGraphDecode | None = None
+        if graphed:
+            graph = CudaGraphDecode(model, config.max_num_seqs, -(-self.max_model_len // config.block_size),
+                                    argmax=native_draw is None, compiled=config.decode_compiled)
+        elif config.decode_compiled:
+            graph = DecodeGraph(model, config.torch_device, decode_attention(config, hf.n_embd // hf.n_head),
+                                argmax_in_graph=native_draw is None)
+        # On CUDA the draw stays eager: ATen's argmax, sort and cumsum are GPU kernels already,
+        # and inductor (torch 2.11, H100) cannot generate the compiled draw: it fuses the argmax
+        # into the cumsum's split-scan kernel ("NYI TritonSplitDimKernel reductions").
+        compiled_draw = graph is not None and config.torch_device.type == "cpu"
+        sampler = Sampler(config.seed, config.torch_device, compiled=compiled_draw, native=native_draw)
+        prefill_tokens = CudaGraphDecode.max_prefill_tokens if graphed else config.graph_prefill_tokens
+        return ModelRunner(model, num_blocks, config.block_size, sampler, config.compile_attention, graph,
+                           prefill_tokens)
+
+    def _ready(self, graph: DecodeGraph | CudaGraphDecode | None) -> DecodeGraph | CudaGraphDecode | None:
+        """The decode graph compiled (or captured) now, not inside the first requests; None
+        where that fails and decode steps run eagerly."""
+        if isinstance(graph, DecodeGraph):
+            return self._warm_up(graph)
+        return None if graph is None else self._capture(graph)
 
     def _warm_up(self, graph: DecodeGraph) -> DecodeGraph | None:
         """The graph and the sampler's draw compiled now, not inside the first requests; None
