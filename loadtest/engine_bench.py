@@ -2,6 +2,7 @@
 
     python -m loadtest.engine_bench                      # GPT-2-small, random weights, bf16 on CPU
     python -m loadtest.engine_bench --num-requests 32 --prompt-len 16 --max-tokens 64 --dtype bfloat16
+    python -m loadtest.engine_bench --device cuda --skip-hf --cuda-graphs false   # vs true, vs true --compile-decode
 
 Prints tokens/s for both and the engine's single-request decode latency per token.
 """
