@@ -14,6 +14,8 @@
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
 
+#include "gelu.h"
+
 #if defined(CPU_CAPABILITY_AVX512)
 #include <immintrin.h>
 #endif
@@ -44,11 +46,7 @@ RAYINFER_BF16 inline __m512 load_bf16(const at::BFloat16* p, __mmask16 mask) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
 }
 
-RAYINFER_BF16 inline __m512 gelu(__m512 y) {
-  using Vec = at::vec::Vectorized<float>;
-  const Vec x(y), half(0.5f), one(1.f), alpha(0.7978845608028654f), kappa(0.044715f);  // sqrt(2 / pi)
-  return half * x * (one + (alpha * (x + kappa * x * x * x)).tanh());
-}
+RAYINFER_BF16 inline __m512 gelu(__m512 y) { return gelu_tanh(at::vec::Vectorized<float>(y)); }
 
 // Rows [0, MR) of x (row stride k2 pairs) against one panel: y's features [n0, n0 + 32).
 template <int MR>

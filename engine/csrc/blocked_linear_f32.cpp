@@ -17,6 +17,8 @@
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
 
+#include "gelu.h"
+
 namespace rayinfer {
 
 namespace {
@@ -32,17 +34,12 @@ struct F32Tail {
   int64_t n;           // features
 };
 
-inline Vec gelu(const Vec& x) {
-  const Vec half(0.5f), one(1.f), alpha(0.7978845608028654f), kappa(0.044715f);  // sqrt(2 / pi)
-  return half * x * (one + (alpha * (x + kappa * x * x * x)).tanh());
-}
-
 // y[m, n .. n + L) from its accumulator, where n is a feature.
 inline void finish(Vec v, float* y, int64_t m, int64_t n, const F32Tail& t) {
   if (n >= t.n) return;
   const int count = static_cast<int>(std::min<int64_t>(kLanes, t.n - n));
   if (t.bias) v = v + Vec::loadu(t.bias + n, count);
-  if (t.kind == 1) v = gelu(v);
+  if (t.kind == 1) v = gelu_tanh(v);
   else if (t.kind == 2) v = v + Vec::loadu(t.other + m * t.n + n, count);
   v.store(y + m * t.n + n, count);
 }
