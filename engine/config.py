@@ -45,9 +45,10 @@ class EngineConfig:
     # process: freezing keeps it out of inductor's on-disk cache); where it cannot compile,
     # decode steps stay eager, with a warning. auto: on on CPU, in bf16 and fp32 (BENCHMARKS.md,
     # "The whole decode forward compiled"; fp32 won only once the graph's attention was our
-    # kernel, "A decode attention of our own"), and on CUDA inside cuda_graphs' graphs. The sampler's draw (argmax, or softmax and an
-    # inverse-CDF draw) compiles with it, so a sampled step leaves eager ATen too. Off by
-    # default so that tests and scripts start at once; configs/gpt2.yaml sets auto.
+    # kernel, "A decode attention of our own"), and on CUDA inside cuda_graphs' graphs. The
+    # sampler's draw (argmax, or softmax and an inverse-CDF draw) compiles with it on CPU, so
+    # a sampled step leaves eager ATen too. Off by default so that tests and scripts start at
+    # once; configs/gpt2.yaml sets auto.
     compile_decode: bool | Literal["auto"] = False
     # On CUDA, steps of one-token rows (decodes) replayed from CUDA graphs captured before the
     # engine serves, one per bucket of rows and block-table width (engine/cuda_graphs.py);
