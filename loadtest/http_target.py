@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import random
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -97,11 +98,25 @@ async def benchmark(config: BenchConfig) -> BenchResult:
         if workload.warmup:
             await _warm_up(client, config)
         prompts = workload.prompts(workload.num_requests, workload.seed)
-        with tqdm(total=len(prompts), desc=target.label, disable=not config.show_progress) as progress:
+        with heap_frozen(), tqdm(total=len(prompts), desc=target.label, disable=not config.show_progress) as progress:
             started = time.perf_counter()
             records = await _send_all(client, config, prompts, progress)
             duration = time.perf_counter() - started
     return summarize_run(RunInfo(target.label, target.url, target.api), workload, records, duration)
+
+
+@contextlib.contextmanager
+def heap_frozen() -> Iterator[None]:
+    """The objects this process holds before a timed run kept out of the garbage collector's
+    passes during it, as vLLM's benchmark_serving does: a full pass walks all of them, and an
+    offline engine run earlier in the same process leaves hundreds of thousands (BENCHMARKS.md,
+    session 26), so a pass mid-burst held back requests and counted the wait in their TTFT."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def run_sweep(

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import random
 import socket
@@ -26,7 +27,7 @@ from loadtest import bench
 from loadtest.ceiling import median_run
 from loadtest.engine_bench import Result
 from loadtest.headless import run_locust
-from loadtest.http_target import BenchConfig, Target, request_body, run_benchmark
+from loadtest.http_target import BenchConfig, Target, heap_frozen, request_body, run_benchmark
 from loadtest.offline_target import OfflineTarget, run_offline
 from loadtest.prompts import WORDS, Distribution, make_prompt
 from loadtest.results import BenchResult, Summary, percentile, summarize
@@ -444,3 +445,12 @@ def test_the_ceiling_reports_the_median_run_with_every_runs_figure():
     assert median.seconds == 1.0
     assert median.name == "engine (median of 100, 200, 50)"
     assert median_run(runs[:1]) is runs[0]
+
+
+def test_a_timed_run_keeps_the_harness_heap_out_of_the_collectors_passes_and_gives_it_back() -> None:
+    held = [object() for _ in range(1000)]  # the harness's own objects, made before the run
+    with heap_frozen():
+        assert gc.get_freeze_count() >= len(held)
+        gc.collect()
+        assert gc.get_freeze_count() >= len(held)  # a pass during the run leaves them frozen
+    assert gc.get_freeze_count() == 0
