@@ -137,15 +137,14 @@ class CudaGraphDecode:
         # A column more than any bucket reads: every bucket's block table is then a view with
         # the same row stride, never a contiguous one (which a compiled step guards apart).
         self._input_ids, self._positions, self._block_tables = indices(rows), indices(rows), indices(rows, width + 1)
-        if self.compiled:
-            torch._dynamo.mark_static(kv_pool)
-        # The first call compiles a compiled step: rows and width unequal (3 and 4), or
-        # dynamo would give them one symbol and compile again at the first step where they differ.
-        logits, _, _ = self._step(self._input_ids[:3], self._positions[:3], kv_pool, self._block_tables[:3, :4],
-                                  None, None)
-        self._logits = logits.new_empty(rows, logits.shape[1])
+        self._logits = kv_pool.new_empty(rows, self._model.config.vocab_size)  # the model's dtype, as the pool's
         self._greedy = indices(rows)
         self._new_kv = kv_pool.new_empty(num_layers * 2 * num_heads, rows, head_dim)
+        if self.compiled:
+            # Its first call compiles: rows and width unequal (3 and 4), or dynamo would give
+            # them one symbol and compile again at the first step where they differ.
+            torch._dynamo.mark_static(kv_pool)
+            self._step(self._input_ids[:3], self._positions[:3], kv_pool, self._block_tables[:3, :4], None, None)
 
     def _record(self, kv_pool: torch.Tensor, rows: int, width: int) -> None:
         """One step of `rows` rows against `width` blocks, from the input buffers to the output ones."""
