@@ -58,7 +58,7 @@ class EngineDeployment:
         self._cores = ReplicaCores(cpu_bind if config.device == "cpu" else "nobind", config.cpu_threads)
         self._cores.follow(serve.get_replica_context().rank.local_rank)  # before the engine's threads start
         self._engine = AsyncEngine(config, max_chunks_per_s=chunks_per_s)
-        self._metrics = EngineMetricsReporter(self._engine.stats)
+        self._metrics = EngineMetricsReporter(self._engine.stats, self._engine.drain_steps)
         self._num_requests = 0
         self._load_log = LoadLog(serve.get_replica_context().replica_id.unique_id, config.block_size,
                                  self._engine.stats().num_kv_blocks_total)

@@ -15,10 +15,13 @@ from ray.serve import metrics as serve_metrics
 from ray.util.metrics import Counter, Gauge, Histogram
 
 from engine.outputs import EngineStats
+from engine.step_log import StepRecord
 
 _LATENCY_BUCKETS_S = [0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30, 60]
 _TPOT_BUCKETS_S = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28]
 _BATCH_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128]
+_STEP_BUCKETS_S = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56]
+_STEP_TOKEN_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]  # vLLM's iteration_tokens
 _ENGINE_METRICS_PERIOD_S = 1.0
 
 
@@ -67,6 +70,12 @@ class EngineMetrics:
         self.kv_blocks_total = Gauge("rayinfer_kv_blocks_total", "KV cache blocks in the pool.")
         self.prefix_hit_rate = Gauge("rayinfer_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache (0..1).")
         self.preemptions = Counter("rayinfer_preemptions", "Sequences preempted for lack of KV blocks.")
+        self.step_time = Histogram("rayinfer_engine_step_seconds",
+                                   "Time of one engine step (schedule, forward, sample), by kind: prefill "
+                                   "if it computed any prompt tokens, else decode.",
+                                   boundaries=_STEP_BUCKETS_S, tag_keys=("kind",))
+        self.step_tokens = Histogram("rayinfer_iteration_tokens", "Tokens computed per engine step.",
+                                     boundaries=_STEP_TOKEN_BUCKETS)
         self._last_preemptions = 0
 
     def update(self, stats: EngineStats) -> None:
@@ -79,6 +88,11 @@ class EngineMetrics:
         if stats.num_preemptions > self._last_preemptions:
             self.preemptions.inc(stats.num_preemptions - self._last_preemptions)
             self._last_preemptions = stats.num_preemptions
+
+    def record_steps(self, steps: list[StepRecord]) -> None:
+        for step in steps:
+            self.step_time.observe(step.duration_s, tags={"kind": step.kind})
+            self.step_tokens.observe(step.num_tokens)
 
 
 class RouterMetrics:
@@ -112,10 +126,12 @@ class RouterMetrics:
 
 
 class EngineMetricsReporter:
-    """Samples the engine's stats into EngineMetrics once a second, from its own thread."""
+    """Samples the engine's stats into EngineMetrics once a second, from its own thread, and
+    records the steps taken since (off the step loop's thread: a step only appends a record)."""
 
-    def __init__(self, stats: Callable[[], EngineStats]) -> None:
+    def __init__(self, stats: Callable[[], EngineStats], steps: Callable[[], list[StepRecord]]) -> None:
         self._stats = stats
+        self._steps = steps
         self._metrics = EngineMetrics()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rayinfer-metrics", daemon=True)
@@ -124,6 +140,7 @@ class EngineMetricsReporter:
     def _run(self) -> None:
         while not self._stop.wait(_ENGINE_METRICS_PERIOD_S):
             self._metrics.update(self._stats())
+            self._metrics.record_steps(self._steps())
 
     def stop(self) -> None:
         self._stop.set()

@@ -27,6 +27,7 @@ from engine.outputs import EngineDeadError, EngineStats, GenerationChunk, ModelI
 from engine.request_rules import check_request_id_free
 from engine.request_stream import RequestStream, min_tokens_per_chunk
 from engine.sampling_params import SamplingParams
+from engine.step_log import StepRecord
 from engine.step_loop import StepLoop
 
 
@@ -59,6 +60,10 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         """The stats as of the last step (read without stopping the loop)."""
         return self.step_loop.stats
+
+    def drain_steps(self) -> list[StepRecord]:
+        """The steps taken since the last call, oldest first (any thread may call it)."""
+        return self.engine.step_log.drain()
 
     def num_active_requests(self) -> int:
         return len(self._streams)

@@ -26,6 +26,7 @@ from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence
+from engine.step_log import StepLog, StepRecord
 from engine.step_threads import StepThreads
 
 logger = logging.getLogger(__name__)
@@ -58,6 +59,7 @@ class LLMEngine:
         self.runner = self._runner(model, num_blocks, graphed)
         self.runner.decode_graph = self._ready(self.runner.decode_graph)
         self._seqs: dict[str, Sequence] = {}
+        self.step_log = StepLog()  # the replica's metrics drain it
         self._num_prompt_tokens = 0
         self._num_generated_tokens = 0
         logger.info("engine ready: %s (%s weights, %s, %s), %d KV blocks of %d tokens",
@@ -98,16 +100,21 @@ class LLMEngine:
             self.step()
         self._num_prompt_tokens = self._num_generated_tokens = 0
         self.block_manager.reset_prefix_stats()
+        self.step_log.drain()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._seqs)
 
     def step(self) -> list[StepOutput]:
+        started = time.perf_counter()
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
-        self.step_threads.for_step(sum(batch.num_new_tokens))
-        return self._postprocess(batch, self.runner.run(batch))
+        num_tokens = sum(batch.num_new_tokens)
+        self.step_threads.for_step(num_tokens)
+        outputs = self._postprocess(batch, self.runner.run(batch))
+        self.step_log.append(StepRecord(time.perf_counter() - started, num_tokens, batch.num_prompt_tokens))
+        return outputs
 
     def _postprocess(self, batch: ScheduledBatch, output: ModelOutput) -> list[StepOutput]:
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):

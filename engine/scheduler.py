@@ -32,10 +32,13 @@ MIN_SHARED_BLOCKS_TO_WAIT = 2
 class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
+    num_prompt_tokens: int = 0  # of the tokens scheduled, those in their prompts
 
     def add(self, seq: Sequence, num_new_tokens: int) -> None:
         self.seqs.append(seq)
         self.num_new_tokens.append(num_new_tokens)
+        if seq.num_computed_tokens < seq.num_prompt_tokens:
+            self.num_prompt_tokens += min(num_new_tokens, seq.num_prompt_tokens - seq.num_computed_tokens)
 
     @property
     def is_empty(self) -> bool:

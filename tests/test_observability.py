@@ -91,6 +91,12 @@ def test_metrics_reach_rays_prometheus_export_with_sensible_values(server):
         ("ray_rayinfer_kv_blocks_total",): lambda v: v == NUM_KV_BLOCKS,
         ("ray_rayinfer_kv_cache_usage",): lambda v: 0 <= v <= 1,
         ("ray_rayinfer_prefix_cache_hit_rate",): lambda v: 0 < v <= 1,
-        ("ray_rayinfer_tokenizer_batch_size_count",): at_least(4),
-        ("ray_rayinfer_tokenizer_latency_seconds_count",): at_least(4),
+        # a prefill step per request (the prefix hits still compute the last block), 5 decodes each
+        ("ray_rayinfer_engine_step_seconds_count", ("kind", "prefill")): at_least(3),
+        ("ray_rayinfer_engine_step_seconds_count", ("kind", "decode")): at_least(15),
+        ("ray_rayinfer_engine_step_seconds_sum", ("kind", "decode")): lambda v: 0 < v < 60,
+        ("ray_rayinfer_iteration_tokens_count",): at_least(18),
+        ("ray_rayinfer_iteration_tokens_sum",): at_least(15 + 6),
+        ("ray_rayinfer_tokenizer_batch_size_count",): at_least(3),  # the empty prompt is refused untokenized
+        ("ray_rayinfer_tokenizer_latency_seconds_count",): at_least(3),
     })
