@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -30,6 +31,19 @@ class RunInfo:
     api: str = "completions"
 
 
+@dataclass(frozen=True)
+class RequestTimes:
+    """One request as the client saw it, in Unix seconds, to set beside a server's own logs
+    (Serve's proxy logs each request's end and latency): sent, first content, end; None
+    where that never came."""
+
+    sent: float
+    first_content: float | None
+    end: float | None
+    output_tokens: int
+    ok: bool
+
+
 @dataclass
 class BenchResult:
     label: str
@@ -54,6 +68,7 @@ class BenchResult:
     server_timing_ms: dict[str, Summary]
     errors: list[str] = field(default_factory=list)
     round: int = 1  # of --repeats
+    requests: list[RequestTimes] = field(default_factory=list)  # in the order they were sent
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -100,7 +115,16 @@ def summarize_run(info: RunInfo, workload: Workload, records: list[StreamRecord]
         e2e_ms=summarize(_present(record.e2e_s for record in ok), 1000),
         server_timing_ms=_server_timing(ok),
         errors=_distinct_errors(records),
+        requests=request_times(records),
     )
+
+
+def request_times(records: list[StreamRecord]) -> list[RequestTimes]:
+    """The records' times (time.perf_counter()) as Unix times, in the order they were sent."""
+    to_unix = time.time() - time.perf_counter()
+    unix = lambda t: None if t is None else t + to_unix  # noqa: E731
+    return [RequestTimes(r.start + to_unix, unix(r.first_content_at), unix(r.end), r.output_tokens, r.is_ok)
+            for r in sorted(records, key=lambda r: r.start)]
 
 
 def _present(values: Iterator[float | None]) -> list[float]:

@@ -282,7 +282,7 @@ RESULT_FIELDS = {
     "label", "url", "api", "concurrency", "request_rate", "num_requests", "prompt_tokens", "max_tokens",
     "successes", "failures", "duration_s", "total_output_tokens", "mean_output_tokens",
     "request_throughput", "output_throughput", "ttft_ms", "tpot_ms", "itl_ms", "e2e_ms", "server_timing_ms", "errors",
-    "round",
+    "round", "requests",
 }  # fmt: skip
 
 
@@ -388,6 +388,21 @@ def test_run_benchmark_is_callable_from_code(fake_url: str) -> None:
     workload = Workload(num_requests=4, prompt_tokens=4, max_tokens=3, concurrency=2, warmup=0)
     result = run_benchmark(BenchConfig(Target(fake_url, "fake"), workload, show_progress=False))
     assert (result.successes, result.total_output_tokens) == (4, 12)
+
+
+def test_a_run_keeps_each_requests_unix_times_in_the_order_sent_never_more_in_flight_than_the_bound(
+    fake_url: str,
+) -> None:
+    workload = Workload(num_requests=6, prompt_tokens=4, max_tokens=3, concurrency=2, warmup=1)
+    before = time.time()
+    result = run_benchmark(BenchConfig(Target(fake_url, "fake"), workload, show_progress=False))
+    after = time.time()
+    times = result.requests  # the warm-up's request is not the run's
+    assert len(times) == 6 and all(t.ok and t.output_tokens == 3 for t in times)
+    assert [t.sent for t in times] == sorted(t.sent for t in times)
+    assert all(before <= t.sent < t.first_content <= t.end <= after for t in times)
+    in_flight = [sum(other.sent <= t.sent < other.end for other in times) for t in times]
+    assert max(in_flight) == 2
 
 
 def test_request_body_sends_model_and_ignore_eos_only_when_asked() -> None:
