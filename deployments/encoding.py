@@ -1,5 +1,6 @@
-"""The tokenizer deployment's contract: what the ingress asks (EncodeRequest) and gets back
-(Encoded, or EncodeError for a prompt that can never run), and GPT-2's chat template.
+"""Prompts to checked token ids: what the ingress asks (EncodeRequest) and gets back
+(Encoded, or EncodeError for a prompt that can never run), the Encoder that does it (in the
+tokenizer deployment, and in the ingress for short prompts), and GPT-2's chat template.
 
 Chat template (GPT-2 has none): one "role: content" line per message, then "assistant:"
 for the model to continue, e.g.
@@ -12,6 +13,11 @@ for the model to continue, e.g.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from transformers import PreTrainedTokenizerBase
+
+from engine.invalid_request import InvalidRequestError
+from engine.request_rules import check_context, check_prompt
 
 
 @dataclass(frozen=True)
@@ -55,3 +61,29 @@ class EncodeError:
 
 def apply_chat_template(messages: list[ChatMessage]) -> str:
     return "".join(f"{m.role}: {m.content}\n" for m in messages) + "assistant:"
+
+
+class Encoder:
+    """A tokenizer and the engine's prompt rules, checked here so that a bad prompt is a 400
+    naming its field. Each request gets its own result, so one bad prompt never fails the
+    others encoded with it."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.tokenizer = tokenizer
+        self._vocab_size = len(tokenizer)
+
+    def encode(self, requests: list[EncodeRequest]) -> list[Encoded | EncodeError]:
+        texts = [r.text for r in requests if r.text is not None]
+        encoded = iter(self.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else ())
+        return [self._check(r, next(encoded) if r.text is not None else r.prompt) for r in requests]
+
+    def _check(self, request: EncodeRequest, token_ids: list[int] | None) -> Encoded | EncodeError:
+        param, context = request.param, request.max_model_len
+        try:
+            check_prompt(token_ids or [], self._vocab_size, param)
+            # None: the rest of the context, at least one token (none left: no room to generate).
+            max_tokens = request.max_tokens if request.max_tokens is not None else max(context - len(token_ids), 1)
+            check_context(len(token_ids), max_tokens, context, param)
+        except InvalidRequestError as error:
+            return EncodeError(str(error), error.param, error.code)
+        return Encoded(list(token_ids), max_tokens)

@@ -4,6 +4,7 @@ Concurrent calls are batched (`@serve.batch`): one batched encode serves every r
 that queued up while the previous batch ran (batch_wait_timeout_s 0: no added latency at
 light load, big batches under heavy load). Each request gets its own result, `Encoded` or
 `EncodeError` (deployments/encoding.py), so one bad prompt never fails its batch-mates.
+The ingress encodes short prompts itself and sends this deployment the long ones.
 """
 
 from __future__ import annotations
@@ -13,12 +14,10 @@ from typing import Any
 
 from ray import serve
 
-from deployments.encoding import EncodeError, EncodeRequest, Encoded
+from deployments.encoding import EncodeError, EncodeRequest, Encoded, Encoder
 from deployments.logs import route_logs_to_serve
 from deployments.metrics import TokenizerMetrics
 from engine.loader import load_tokenizer
-from engine.invalid_request import InvalidRequestError
-from engine.request_rules import check_context, check_prompt
 
 
 _PATHS = {"vocab_file", "merges_file", "tokenizer_file", "name_or_path"}
@@ -45,17 +44,15 @@ class TokenizerDeployment:
     def __init__(self, model: str, max_batch_size: int = 32, batch_wait_timeout_s: float = 0.0) -> None:
         route_logs_to_serve("engine")
         self._tokenizer = load_tokenizer(model)
-        self._vocab_size = len(self._tokenizer)
-        self._metrics = TokenizerMetrics()
+        self._encoder = Encoder(self._tokenizer)
+        self._metrics = TokenizerMetrics("deployment")
         self.encode.set_max_batch_size(max_batch_size)
         self.encode.set_batch_wait_timeout_s(batch_wait_timeout_s)
 
     @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.0)
     async def encode(self, requests: list[EncodeRequest]) -> list[Encoded | EncodeError]:
         started = time.perf_counter()
-        texts = [r.text for r in requests if r.text is not None]
-        encoded = iter(self._tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else ())
-        results = [self._check(r, next(encoded) if r.text is not None else r.prompt) for r in requests]
+        results = self._encoder.encode(requests)
         self._metrics.record_batch(len(requests), time.perf_counter() - started)
         return results
 
@@ -75,15 +72,3 @@ class TokenizerDeployment:
         config.update(tokenizer_class=type(self._tokenizer).__name__, eos_token=self._tokenizer.eos_token,
                       bos_token=self._tokenizer.bos_token)
         return config
-
-    def _check(self, request: EncodeRequest, token_ids: list[int] | None) -> Encoded | EncodeError:
-        """The engine's prompt rules, checked here so that a bad prompt is a 400 naming its field."""
-        param, context = request.param, request.max_model_len
-        try:
-            check_prompt(token_ids or [], self._vocab_size, param)
-            # None: the rest of the context, at least one token (none left: no room to generate).
-            max_tokens = request.max_tokens if request.max_tokens is not None else max(context - len(token_ids), 1)
-            check_context(len(token_ids), max_tokens, context, param)
-        except InvalidRequestError as error:
-            return EncodeError(str(error), error.param, error.code)
-        return Encoded(list(token_ids), max_tokens)
