@@ -1,6 +1,6 @@
 """The Serve application: `import_path: deployments.app:build_app` in configs/*.yaml.
 
-    Ingress ──encode──▶ TokenizerDeployment   (CPU, autoscaled)
+    Ingress ──encode──▶ TokenizerDeployment   (CPU, autoscaled; prompts too long to encode in the ingress)
             ──generate (stream)──▶ EngineDeployment   (one replica: a GPU where the cluster has one)
 
 Options a config file's `deployments:` list sets (replicas, autoscaling,
@@ -24,6 +24,7 @@ from deployments.engine_deployment import EngineDeployment
 from deployments.engine_runtime import engine_runtime_env
 from deployments.http_body import DEFAULT_MAX_BODY_BYTES
 from deployments.ingress import Ingress
+from deployments.prompt_encoding import DEFAULT_LOCAL_MAX_CHARS
 from deployments.tokenizer_deployment import TokenizerDeployment
 from engine import EngineConfig
 from engine.loader import WeightsMode
@@ -60,6 +61,10 @@ class AppArgs(BaseModel):
     tokenizer_num_replicas: int | None = None  # None: the deployment's autoscaling_config
     tokenizer_max_batch_size: int = Field(32, ge=1)
     tokenizer_batch_wait_s: float = Field(0.0, ge=0)
+    # A request whose prompts hold at most this many characters (text, or the chat template's)
+    # or token ids in all is encoded in the ingress itself, a longer one by the tokenizer
+    # deployment; 0: every prompt by the deployment (deployments/prompt_encoding.py).
+    local_encode_max_chars: int = Field(DEFAULT_LOCAL_MAX_CHARS, ge=0)
     # Bearer keys the API requires (none: open). Prefer the RAYINFER_API_KEYS environment
     # variable: these args are part of the Serve config the dashboard shows.
     api_keys: list[str] = Field(default_factory=list)
@@ -90,6 +95,7 @@ def make_app(args: dict, deployment_options: dict[str, dict] | None = None) -> s
         app_args.served_model_name or app_args.model,
         app_args.api_keys,
         app_args.max_body_bytes,
+        app_args.local_encode_max_chars,
     )
 
 

@@ -13,11 +13,13 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from deployments.encoding import Encoder
 from deployments.errors import ApiError, as_api_error, invalid_body
 from deployments.handles import over_grpc
 from deployments.http_body import DEFAULT_MAX_BODY_BYTES, documented_body
 from deployments.logs import route_logs_to_serve
-from deployments.metrics import RequestCounterMiddleware
+from deployments.metrics import RequestCounterMiddleware, TokenizerMetrics
+from deployments.prompt_encoding import DEFAULT_LOCAL_MAX_CHARS, PromptEncoding
 from deployments.protocol import ChatBody, CompletionBody, DetokenizeBody, GenerateBody, TokenizeBody
 from deployments.responses import CHAT, COMPLETIONS
 from deployments.security import ApiKeys
@@ -56,7 +58,7 @@ async def http_error(request: Request, exc: StarletteHTTPException) -> JSONRespo
 # Serve runs the routes, and the routers of the handles they call, on the replica's own
 # event loop rather than on a loop in a thread each: two thread hops less for every chunk
 # relayed from the engine to the proxy (BENCHMARKS.md, session 9). The routes never block
-# the loop (tokenizing is the tokenizer deployment's, the model steps in the engine's).
+# the loop (long prompts are tokenized in the tokenizer deployment, the model steps in the engine).
 # A config file's ray_actor_options for Ingress replace this whole dict, so
 # configs/gpt2.yaml repeats these variables.
 ON_REPLICA_LOOP = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
@@ -77,13 +79,15 @@ ON_REPLICA_LOOP = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE
 @serve.ingress(api)
 class Ingress:
     async def __init__(self, tokenizer: DeploymentHandle, engine: DeploymentHandle, model_name: str,
-                       api_keys: list[str] | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+                       api_keys: list[str] | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+                       local_encode_max_chars: int = DEFAULT_LOCAL_MAX_CHARS) -> None:
         route_logs_to_serve("engine")
-        engine = over_grpc(engine)
+        engine, tokenizer = over_grpc(engine), over_grpc(tokenizer)
         info: ModelInfo = await engine.model_info.remote()
-        vocab = TokenVocab.from_tokenizer(load_tokenizer(info.name))
-        self._serving = Serving(over_grpc(tokenizer), engine, model_name, ApiKeys.from_config(api_keys),
-                                max_body_bytes, info, vocab)
+        hf_tokenizer = load_tokenizer(info.name)
+        encoding = PromptEncoding(tokenizer, Encoder(hf_tokenizer), local_encode_max_chars, TokenizerMetrics("ingress"))
+        self._serving = Serving(tokenizer, encoding, engine, model_name, ApiKeys.from_config(api_keys),
+                                max_body_bytes, info, TokenVocab.from_tokenizer(hf_tokenizer))
 
     @api.post("/v1/completions", openapi_extra=documented_body(CompletionBody))
     async def completions(self, request: Request) -> Any:

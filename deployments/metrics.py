@@ -152,11 +152,16 @@ class EngineMetricsReporter:
 
 
 class TokenizerMetrics:
-    def __init__(self) -> None:
+    """Prompts encoded `where`: "deployment" (the tokenizer deployment's batches) or "ingress"
+    (short prompts the ingress encodes itself, each a batch of one)."""
+
+    def __init__(self, where: str) -> None:
         self.batch_size = Histogram("rayinfer_tokenizer_batch_size", "Requests encoded per batched call.",
-                                    boundaries=_BATCH_BUCKETS)
+                                    boundaries=_BATCH_BUCKETS, tag_keys=("where",))
         self.latency = Histogram("rayinfer_tokenizer_latency_seconds", "Time to encode one batch.",
-                                 boundaries=_LATENCY_BUCKETS_S)
+                                 boundaries=_LATENCY_BUCKETS_S, tag_keys=("where",))
+        for metric in (self.batch_size, self.latency):
+            metric.set_default_tags({"where": where})
 
     def record_batch(self, size: int, latency_s: float) -> None:
         self.batch_size.observe(size)

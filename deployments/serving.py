@@ -1,7 +1,8 @@
 """What the routes do, between HTTP and the two handles. A request's life here:
 
     check the API key -> read the body, at most max_body_bytes -> validate it
-    (deployments/protocol.py) -> tokenizer.encode (ids, length checks) -> engine.generate
+    (deployments/protocol.py) -> encode (ids, length checks; here or in the tokenizer
+    deployment: deployments/prompt_encoding.py) -> engine.generate
     streams, one per choice (deployments/generation.py) -> SSE, JSON or plain text.
 
 Errors before the first token are HTTP errors in OpenAI's shape (deployments/errors.py);
@@ -22,10 +23,11 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from ray.serve.handle import DeploymentHandle
 
-from deployments.encoding import EncodeError, EncodeRequest, Encoded
-from deployments.errors import ApiError, as_api_error, bad_request, unknown_model
+from deployments.encoding import EncodeRequest, Encoded
+from deployments.errors import ApiError, as_api_error, unknown_model
 from deployments.generation import Choice, Generation, ServerTiming, choice_deltas
 from deployments.http_body import BodyT, read_json_body
+from deployments.prompt_encoding import PromptEncoding
 from deployments import prometheus
 from deployments.protocol import DetokenizeBody, GenerateBody, OpenAIBody, TokenizeBody
 from deployments.responses import OpenAIFormat, collect, openai_body, text_stream
@@ -42,6 +44,7 @@ HEALTH_TIMEOUT_S = 5.0
 @dataclass(frozen=True)
 class Serving:
     tokenizer: DeploymentHandle
+    encoding: PromptEncoding
     engine: DeploymentHandle
     model_name: str  # the served name: what `model` in a body must say
     api_keys: ApiKeys
@@ -77,7 +80,7 @@ class Serving:
         """/generate: plain text, streamed or whole."""
         received_at = time.perf_counter()
         body = await self.read(request, GenerateBody)
-        encoded, timing = await self.encode(body.encode_request(self.info.max_model_len))
+        [encoded], timing = await self.encode_all([body.encode_request(self.info.max_model_len)])
         request_id = "gen-" + uuid.uuid4().hex
         choice = Choice(0, request_id, encoded.token_ids, body.sampling_params(encoded.max_tokens))
         gen = await self.start(request_id, [choice], len(encoded.token_ids), timing, received_at)
@@ -139,20 +142,10 @@ class Serving:
             raise unknown_model(name)
         return body
 
-    async def encode(self, request: EncodeRequest) -> tuple[Encoded, ServerTiming]:
-        started = time.perf_counter()
-        try:
-            result = await self.tokenizer.encode.remote(request)
-        except Exception as exc:
-            raise as_api_error(exc) from exc
-        if isinstance(result, EncodeError):
-            raise bad_request(result)
-        return result, ServerTiming(tokenize_ms=1000 * (time.perf_counter() - started))
-
     async def encode_all(self, requests: list[EncodeRequest]) -> tuple[list[Encoded], ServerTiming]:
-        """Every prompt's ids, encoded concurrently (the tokenizer batches them)."""
-        results = await asyncio.gather(*(self.encode(r) for r in requests))
-        return [encoded for encoded, _ in results], results[0][1]
+        started = time.perf_counter()
+        results = await self.encoding(requests)
+        return results, ServerTiming(tokenize_ms=1000 * (time.perf_counter() - started))
 
     async def start(self, request_id: str, choices: list[Choice], num_prompt_tokens: int,
                     timing: ServerTiming, received_at: float) -> Generation:

@@ -18,13 +18,15 @@ from tests.serve_helpers import free_port, running_app, tiny_app_args
 pytestmark = pytest.mark.serve
 
 NUM_KV_BLOCKS = 48
+LOCAL_ENCODE_MAX_CHARS = 100  # the ingress encodes prompts up to this long, the tokenizer deployment the rest
 
 
 @pytest.fixture(scope="module")
 def server(tiny_gpt2_dir: Path) -> Iterator[tuple[str, str]]:
     """(API base URL, metrics export URL) of a Serve app on a fresh local Ray."""
     metrics_port = free_port()
-    app = build_app(tiny_app_args(tiny_gpt2_dir, engine={"num_kv_blocks": NUM_KV_BLOCKS}))
+    app = build_app(tiny_app_args(tiny_gpt2_dir, engine={"num_kv_blocks": NUM_KV_BLOCKS},
+                                  local_encode_max_chars=LOCAL_ENCODE_MAX_CHARS))
     with running_app(app, _metrics_export_port=metrics_port,
                      _system_config={"metrics_report_interval_ms": 500}) as url:
         yield url, f"http://127.0.0.1:{metrics_port}/metrics"
@@ -72,11 +74,14 @@ def test_metrics_reach_rays_prometheus_export_with_sensible_values(server):
         for _ in range(3):  # one prompt of over two KV blocks: the second and third reuse its cached prefix
             body = {"model": "tiny", "prompt": "Hello there, " * 12, "max_tokens": 6, "temperature": 0,
                     "ignore_eos": True}
+            assert len(body["prompt"]) > LOCAL_ENCODE_MAX_CHARS
             assert client.post("/v1/completions", json=body).status_code == 200
+        short = {"model": "tiny", "prompt": "Hi", "max_tokens": 1}
+        assert client.post("/v1/completions", json=short).status_code == 200
         assert client.post("/v1/completions", json={"model": "tiny", "prompt": ""}).status_code == 400
     at_least = lambda n: lambda v: v >= n  # noqa: E731
     scrape_until(metrics_url, {
-        ("ray_rayinfer_requests_total", ("endpoint", "/v1/completions"), ("status", "200")): at_least(3),
+        ("ray_rayinfer_requests_total", ("endpoint", "/v1/completions"), ("status", "200")): at_least(4),
         ("ray_rayinfer_requests_total", ("endpoint", "/v1/completions"), ("status", "400")): at_least(1),
         ("ray_rayinfer_completion_tokens_total",): at_least(18),
         ("ray_rayinfer_prompt_tokens_total",): at_least(6),
@@ -97,6 +102,10 @@ def test_metrics_reach_rays_prometheus_export_with_sensible_values(server):
         ("ray_rayinfer_engine_step_seconds_sum", ("kind", "decode")): lambda v: 0 < v < 60,
         ("ray_rayinfer_iteration_tokens_count",): at_least(18),
         ("ray_rayinfer_iteration_tokens_bucket", ("le", "1.0")): at_least(15),  # the decodes, one token each
-        ("ray_rayinfer_tokenizer_batch_size_count",): at_least(3),  # the empty prompt is refused untokenized
-        ("ray_rayinfer_tokenizer_latency_seconds_count",): at_least(3),
+        # the long prompts by the tokenizer deployment, the short one in the ingress (the empty
+        # prompt is refused untokenized)
+        ("ray_rayinfer_tokenizer_batch_size_count", ("where", "deployment")): at_least(3),
+        ("ray_rayinfer_tokenizer_latency_seconds_count", ("where", "deployment")): at_least(3),
+        ("ray_rayinfer_tokenizer_batch_size_count", ("where", "ingress")): at_least(1),
+        ("ray_rayinfer_tokenizer_batch_size_bucket", ("where", "ingress"), ("le", "1.0")): at_least(1),
     })

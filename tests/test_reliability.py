@@ -21,6 +21,7 @@ import ray
 from ray import serve
 
 from deployments.app import make_app
+from deployments.prompt_encoding import DEFAULT_LOCAL_MAX_CHARS
 from engine import LLM, SamplingParams
 from tests.http_helpers import (
     MODEL, PROMPTS, Stream, assert_openai_error, check_engine_integrity, greedy, health_of, run_async, until,
@@ -364,11 +365,11 @@ def kill_the_replica(deployment: str) -> str:
     return name
 
 
-def wait_until_served(http: httpx.Client) -> list[int]:
+def wait_until_served(http: httpx.Client, prompt: str = PROMPTS[0]) -> list[int]:
     """Send requests until one succeeds; the statuses of those that failed meanwhile."""
     failures, deadline = [], time.monotonic() + RECOVERY_TIMEOUT_S
     while True:
-        response = http.post("/v1/completions", json=greedy(PROMPTS[0], max_tokens=4))
+        response = http.post("/v1/completions", json=greedy(prompt, max_tokens=4))
         if response.status_code == 200:
             return failures
         assert time.monotonic() < deadline, f"not served again after {RECOVERY_TIMEOUT_S}s: {response.text}"
@@ -424,7 +425,8 @@ def test_a_killed_engine_replica_is_replaced_and_service_resumes(http: httpx.Cli
 
 def test_a_killed_tokenizer_replica_is_replaced_and_service_resumes(http: httpx.Client) -> None:
     killed = kill_the_replica("TokenizerDeployment")
-    assert set(wait_until_served(http)) <= {503}
+    # a prompt too long for the ingress to encode itself: the tokenizer deployment's to encode
+    assert set(wait_until_served(http, "word " * (DEFAULT_LOCAL_MAX_CHARS // 5 + 1))) <= {503}
     assert killed not in replica_names("TokenizerDeployment")
 
 
