@@ -153,7 +153,7 @@ class EngineMetricsReporter:
 
 class TokenizerMetrics:
     """Prompts encoded `where`: "deployment" (the tokenizer deployment's batches) or "ingress"
-    (short prompts the ingress encodes itself, each a batch of one)."""
+    (short prompts the ingress encodes itself, a request's prompts a batch)."""
 
     def __init__(self, where: str) -> None:
         self.batch_size = Histogram("rayinfer_tokenizer_batch_size", "Requests encoded per batched call.",

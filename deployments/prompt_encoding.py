@@ -1,12 +1,10 @@
-"""Where a prompt is encoded: in the ingress itself when it is short, else by the tokenizer
-deployment.
+"""Where a request's prompts are encoded: in the ingress itself when they are short, else by
+the tokenizer deployment.
 
-A short prompt encodes in tens of microseconds (a 64-character one in ~0.03 ms, a 4096-
-character one in ~1.4 ms on the 2-core CPU), while the hop to the tokenizer replica costs
-~4 ms of a stream's time to first token and CPU in two processes besides (BENCHMARKS.md,
-session 24: "One stream's TTFT, hop by hop"). Long prompts still go to the tokenizer
-deployment, which scales out on its own, so that no single prompt holds the ingress's event
-loop for long: the bound counts all of a request's prompts together.
+Encoding a short prompt costs the ingress less than the hop to the tokenizer replica, which
+also adds to a stream's time to first token (BENCHMARKS.md, sessions 24 and 28). Long prompts
+still go to the tokenizer deployment, which scales out on its own, so that no request holds
+the ingress's event loop for long: the bound counts all of a request's prompts together.
 """
 
 from __future__ import annotations
@@ -22,7 +20,7 @@ from deployments.errors import as_api_error, bad_request
 from deployments.metrics import TokenizerMetrics
 
 
-DEFAULT_LOCAL_MAX_CHARS = 2048  # ~0.7 ms of the ingress's loop on the 2-core CPU
+DEFAULT_LOCAL_MAX_CHARS = 2048  # what encoding this many costs the ingress: BENCHMARKS.md, session 28
 
 
 @dataclass(frozen=True)
