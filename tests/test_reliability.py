@@ -172,6 +172,23 @@ def test_the_context_holds_exactly_1024_prompt_plus_output_tokens(http: httpx.Cl
     assert error["code"] == "context_length_exceeded"
 
 
+def test_text_prompts_past_the_ingress_bound_get_the_same_context_errors_from_the_tokenizer(
+        http: httpx.Client) -> None:
+    def words(n: int) -> str:  # " the" is one token of 4 characters
+        return " the" * n
+
+    assert len(words(1000)) > DEFAULT_LOCAL_MAX_CHARS  # so the tokenizer deployment encodes these
+    error = assert_openai_error(http.post("/v1/completions", json=greedy(words(1024), max_tokens=1)),
+                                400, "invalid_request_error", "prompt")
+    assert error["code"] == "context_length_exceeded"
+    error = assert_openai_error(http.post("/v1/completions", json=greedy(words(1000), max_tokens=25)),
+                                400, "invalid_request_error", "max_tokens")
+    assert error["code"] == "context_length_exceeded"
+    fits = http.post("/v1/completions", json=greedy(words(1000), max_tokens=24, ignore_eos=True))
+    assert fits.status_code == 200, fits.text
+    assert fits.json()["usage"]["prompt_tokens"] == 1000
+
+
 def padded_body(num_bytes: int) -> bytes:
     """A valid request body of exactly num_bytes (JSON allows trailing whitespace)."""
     body = json.dumps(greedy("hi", max_tokens=2)).encode()
