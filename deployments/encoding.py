@@ -73,9 +73,10 @@ class Encoder:
         self._vocab_size = len(tokenizer)
 
     def encode(self, requests: list[EncodeRequest]) -> list[Encoded | EncodeError]:
-        texts = [r.text for r in requests if r.text is not None]
-        encoded = iter(self.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else ())
-        return [self._check(r, next(encoded) if r.text is not None else r.prompt) for r in requests]
+        texts = [r.text for r in requests]  # once each: a chat request's text is its template applied
+        to_encode = [text for text in texts if text is not None]
+        encoded = iter(self.tokenizer(to_encode, add_special_tokens=False)["input_ids"] if to_encode else ())
+        return [self._check(r, r.prompt if text is None else next(encoded)) for r, text in zip(requests, texts)]
 
     def _check(self, request: EncodeRequest, token_ids: list[int] | None) -> Encoded | EncodeError:
         param, context = request.param, request.max_model_len
