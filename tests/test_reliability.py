@@ -172,11 +172,13 @@ def test_the_context_holds_exactly_1024_prompt_plus_output_tokens(http: httpx.Cl
     assert error["code"] == "context_length_exceeded"
 
 
+def words(n: int) -> str:
+    """n tokens of 4 characters: past DEFAULT_LOCAL_MAX_CHARS, the tokenizer deployment encodes them."""
+    return " the" * n
+
+
 def test_text_prompts_past_the_ingress_bound_get_the_same_context_errors_from_the_tokenizer(
         http: httpx.Client) -> None:
-    def words(n: int) -> str:  # " the" is one token of 4 characters
-        return " the" * n
-
     assert len(words(1000)) > DEFAULT_LOCAL_MAX_CHARS  # so the tokenizer deployment encodes these
     error = assert_openai_error(http.post("/v1/completions", json=greedy(words(1024), max_tokens=1)),
                                 400, "invalid_request_error", "prompt")
@@ -445,7 +447,7 @@ def test_a_killed_tokenizer_replica_is_replaced_and_service_resumes(http: httpx.
     # short prompts never reach it: the ingress encodes them itself, outage or not
     assert http.post("/v1/completions", json=greedy(PROMPTS[0], max_tokens=4)).status_code == 200
     # a prompt too long for the ingress to encode itself: the tokenizer deployment's to encode
-    assert set(wait_until_served(http, "word " * (DEFAULT_LOCAL_MAX_CHARS // 5 + 1))) <= {503}
+    assert set(wait_until_served(http, words(DEFAULT_LOCAL_MAX_CHARS // 4 + 1))) <= {503}
     assert killed not in replica_names("TokenizerDeployment")
 
 
