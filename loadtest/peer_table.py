@@ -32,7 +32,7 @@ from pathlib import Path
 import yaml
 
 from loadtest.http_target import BenchConfig, Target, run_benchmark
-from loadtest.results import BenchResult
+from loadtest.results import BenchResult, percentile
 from loadtest import serve_process
 from loadtest.workload import Workload
 from loadtest.cpu_usage import ProcessCpu, cpu_since, cpu_snapshot, cpu_table, settle
@@ -189,6 +189,9 @@ def table(run: TableRun) -> str:
                        lambda r: r.output_throughput, "{:.1f}"))
     lines.append(_line(f"HTTP, {w.streams} streams: TTFT p50 (ms)", ours.concurrent, theirs.concurrent,
                        lambda r: r.ttft_ms.p50, "{:.1f}"))
+    for later, which in ((False, f"the first {w.streams} requests"), (True, "those sent as a stream ended")):
+        lines.append(_line(f"HTTP, {w.streams} streams: TTFT p50 of {which} (ms)", ours.concurrent,
+                           theirs.concurrent, lambda r, later=later: wave_ttft_p50(r, w.streams, later), "{:.1f}"))
     share = lambda rows: "-" if rows.http_share is None else f"{rows.http_share:.0%}"  # noqa: E731
     lines.append(f"| HTTP share of its own offline | {share(ours)} | {share(theirs)} | |")
     lines.append(_line("HTTP, one stream at a time: TPOT p50 (ms)", ours.single, theirs.single,
@@ -196,6 +199,16 @@ def table(run: TableRun) -> str:
     lines.append(_line("HTTP, one stream at a time: TTFT p50 (ms)", ours.single, theirs.single,
                        lambda r: r.ttft_ms.p50, "{:.1f}"))
     return "\n".join(lines) + "\n\nCPU time per process during each HTTP run:\n\n" + cpu_table(run.cpu)
+
+
+def wave_ttft_p50(result: BenchResult, streams: int, later: bool) -> float | None:
+    """TTFT p50 (ms) of the first wave (the first `streams` requests, sent together) or of the
+    requests sent later, each as a stream ended. A closed loop's later requests arrive in bursts
+    as streams end together, and cross a server's path one after another (BENCHMARKS.md,
+    session 29), so the two halves tell different stories."""
+    requests = result.requests[streams:] if later else result.requests[:streams]
+    ttfts = [1000 * (r.first_content - r.sent) for r in requests if r.ok and r.first_content is not None]
+    return percentile(ttfts, 50) if ttfts else None
 
 
 def _line(name: str, ours: BenchResult | None, theirs: BenchResult | None,
