@@ -3,6 +3,10 @@
     Ingress ──encode──▶ TokenizerDeployment   (CPU, autoscaled; prompts too long to encode in the ingress)
             ──generate (stream)──▶ EngineDeployment   (one replica: a GPU where the cluster has one)
 
+or, with `ingress: engine`, the routes in the engine replica itself (deployments/engine_server.py):
+
+    EngineDeployment (routes + engine) ──encode──▶ TokenizerDeployment
+
 Options a config file's `deployments:` list sets (replicas, autoscaling,
 max_ongoing_requests, ray_actor_options) override the code's; the engine's
 ray_actor_options are left to build_app, which decides its GPU.
@@ -21,9 +25,10 @@ from ray import serve
 from deployments.cpu_binding import validate_spec
 from deployments.chunk_budget import ChunkBudget
 from deployments.engine_deployment import EngineDeployment
+from deployments.engine_server import EngineServer
 from deployments.engine_runtime import engine_runtime_env
 from deployments.http_body import DEFAULT_MAX_BODY_BYTES
-from deployments.ingress import Ingress
+from deployments.ingress import ON_REPLICA_LOOP, Ingress
 from deployments.prompt_encoding import DEFAULT_LOCAL_MAX_CHARS
 from deployments.tokenizer_deployment import TokenizerDeployment
 from engine import EngineConfig
@@ -69,6 +74,11 @@ class AppArgs(BaseModel):
     # variable: these args are part of the Serve config the dashboard shows.
     api_keys: list[str] = Field(default_factory=list)
     max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, ge=1)  # larger bodies get 413
+    # Where the HTTP routes run. deployment: an Ingress deployment of their own, calling the
+    # engine replicas by handle (routes that scale apart; prompts routed by prefix). engine:
+    # in each engine replica (deployments/engine_server.py), a Ray hop less per request and
+    # per chunk. A config file's `deployments:` list names Ingress only with the first.
+    ingress: Literal["deployment", "engine"] = "deployment"
 
 
 def build_app(args: dict) -> serve.Application:
@@ -86,17 +96,16 @@ def make_app(args: dict, deployment_options: dict[str, dict] | None = None) -> s
     tokenizer = TokenizerDeployment
     if app_args.tokenizer_num_replicas is not None:
         tokenizer = tokenizer.options(num_replicas=app_args.tokenizer_num_replicas, autoscaling_config=None)
-    engine = EngineDeployment.options(**engine_deployment_options(app_args, num_gpus))
-    return Ingress.options(**options.get("Ingress", {})).bind(
-        tokenizer.options(**options.get("TokenizerDeployment", {})).bind(
-            app_args.model, app_args.tokenizer_max_batch_size, app_args.tokenizer_batch_wait_s),
-        engine.options(**options.get("EngineDeployment", {})).bind(config, app_args.max_chunks_per_s,
-                                                                   app_args.engine_cpu_bind),
-        app_args.served_model_name or app_args.model,
-        app_args.api_keys,
-        app_args.max_body_bytes,
-        app_args.local_encode_max_chars,
-    )
+    tokenizer_app = tokenizer.options(**options.get("TokenizerDeployment", {})).bind(
+        app_args.model, app_args.tokenizer_max_batch_size, app_args.tokenizer_batch_wait_s)
+    engine_args = (config, app_args.max_chunks_per_s, app_args.engine_cpu_bind)
+    http_args = (app_args.served_model_name or app_args.model, app_args.api_keys, app_args.max_body_bytes,
+                 app_args.local_encode_max_chars)
+    engine_options = engine_deployment_options(app_args, num_gpus) | options.get("EngineDeployment", {})
+    if app_args.ingress == "engine":
+        return EngineServer.options(**engine_options).bind(tokenizer_app, *engine_args, *http_args)
+    engine_app = EngineDeployment.options(**engine_options).bind(*engine_args)
+    return Ingress.options(**options.get("Ingress", {})).bind(tokenizer_app, engine_app, *http_args)
 
 
 def engine_deployment_options(args: AppArgs, num_gpus: float) -> dict:
@@ -107,8 +116,10 @@ def engine_deployment_options(args: AppArgs, num_gpus: float) -> dict:
 
 
 def engine_actor_options(args: AppArgs, num_gpus: float) -> dict:
+    # Serving HTTP too, the engine replica calls the tokenizer's handle as the Ingress does.
+    env = args.engine_env if args.ingress == "deployment" else ON_REPLICA_LOOP | args.engine_env
     return {"num_cpus": args.engine_num_cpus, "num_gpus": num_gpus,
-            "runtime_env": engine_runtime_env(args.engine_preload, args.engine_env)}
+            "runtime_env": engine_runtime_env(args.engine_preload, env)}
 
 
 def engine_config(args: AppArgs, num_gpus: float) -> EngineConfig:

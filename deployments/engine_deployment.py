@@ -41,15 +41,10 @@ FAULT_INJECTION_ENV = "RAYINFER_ENABLE_FAULT_INJECTION"  # "1" only in tests
 logger = logging.getLogger("ray.serve")  # the replica's log file
 
 
-@serve.deployment(
-    ray_actor_options={"num_cpus": 0.5},  # build_app adds num_gpus: 1 where the cluster has GPUs
-    max_ongoing_requests=256,  # continuous batching wants every stream in the engine at once
-    max_queued_requests=64,  # past it the ingress's handle raises BackPressureError: a 429
-    graceful_shutdown_timeout_s=30,
-    health_check_period_s=5,
-    logging_config={"enable_access_log": False},
-)
-class EngineDeployment:
+class EngineReplica:
+    """An engine replica's methods: the engine deployment's, and the HTTP engine's too
+    (deployments/engine_server.py), which serves the routes in the same process."""
+
     def __init__(self, config: EngineConfig, max_chunks_per_s: ChunkBudget = "auto", cpu_bind: str = "nobind") -> None:
         route_logs_to_serve("engine")
         chunks_per_s = chunk_budget.resolve(max_chunks_per_s)  # before binding narrows this process's CPUs
@@ -115,6 +110,9 @@ class EngineDeployment:
         self._engine.inject_fault(RuntimeError("fault injected by a test"))
 
     def __del__(self) -> None:
+        self.stop_engine()
+
+    def stop_engine(self) -> None:
         metrics = getattr(self, "_metrics", None)
         if metrics is not None:
             metrics.stop()
@@ -122,3 +120,17 @@ class EngineDeployment:
         if engine is not None:
             engine.shutdown()
 
+
+ENGINE_OPTIONS = dict(
+    ray_actor_options={"num_cpus": 0.5},  # build_app adds num_gpus: 1 where the cluster has GPUs
+    graceful_shutdown_timeout_s=30,
+    health_check_period_s=5,
+)
+
+EngineDeployment = serve.deployment(
+    name="EngineDeployment",
+    max_ongoing_requests=256,  # continuous batching wants every stream in the engine at once
+    max_queued_requests=64,  # past it the ingress's handle raises BackPressureError: a 429
+    logging_config={"enable_access_log": False},
+    **ENGINE_OPTIONS,
+)(EngineReplica)

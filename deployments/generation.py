@@ -11,8 +11,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
-from ray.serve.handle import DeploymentHandle
-
+from deployments.engine_client import EngineClient
 from deployments.metrics import request_metrics
 from deployments.openai_logprobs import Scored
 from engine import GenerationChunk, SamplingParams
@@ -95,11 +94,10 @@ class Choice:
     format_logprobs: LogprobsFormat | None = None  # set where the request asked for logprobs
 
 
-async def choice_deltas(engine: DeploymentHandle, vocab: TokenVocab, choice: Choice, timing: ServerTiming,
+async def choice_deltas(engine: EngineClient, vocab: TokenVocab, choice: Choice, timing: ServerTiming,
                         received_at: float) -> AsyncIterator[ChoiceDelta]:
     """The choice's text as it is generated; the engine request starts at the first anext."""
-    response = engine.options(stream=True).generate.remote(choice.request_id, choice.prompt_token_ids,
-                                                           choice.params)
+    response = engine.generate(choice.request_id, choice.prompt_token_ids, choice.params)
     text = ChoiceText(vocab, choice)
     is_engine_done, num_tokens, first_timings = False, 0, None
     try:

@@ -1,12 +1,13 @@
-"""The Ingress deployment: the FastAPI app, its routes and error handlers.
+"""The FastAPI app, its routes and error handlers, and the Ingress deployment that serves
+them apart from the engine (`ingress: deployment`, the default).
 
 Each route is a line handing the request to deployments/serving.py; the OpenAI completions
 and chat routes share one body there.
 """
 
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from ray import serve
@@ -14,6 +15,7 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments.encoding import Encoder
+from deployments.engine_client import EngineClient, RemoteEngine
 from deployments.errors import ApiError, as_api_error, invalid_body
 from deployments.handles import over_grpc
 from deployments.http_body import DEFAULT_MAX_BODY_BYTES, documented_body
@@ -24,7 +26,6 @@ from deployments.protocol import ChatBody, CompletionBody, DetokenizeBody, Gener
 from deployments.responses import CHAT, COMPLETIONS
 from deployments.security import ApiKeys
 from deployments.serving import Serving
-from engine import ModelInfo
 from engine.detokenizer import TokenVocab
 from engine.invalid_request import InvalidRequestError
 from engine.loader import load_tokenizer
@@ -55,13 +56,88 @@ async def http_error(request: Request, exc: StarletteHTTPException) -> JSONRespo
     return JSONResponse(ApiError(exc.status_code, str(exc.detail)).body, status_code=exc.status_code)
 
 
-# Serve runs the routes, and the routers of the handles they call, on the replica's own
-# event loop rather than on a loop in a thread each: two thread hops less for every chunk
+# The routes are functions of the replica's Serving, not methods: the same app serves in
+# the Ingress deployment and in the HTTP engine (deployments/engine_server.py). Serve gives
+# each replica its own copy of the app, and the replica's object holds its Serving.
+async def replica_serving() -> Serving:
+    return serve.get_replica_context().servable_object.serving
+
+
+ServingDep = Annotated[Serving, Depends(replica_serving)]
+
+
+@api.post("/v1/completions", openapi_extra=documented_body(CompletionBody))
+async def completions(request: Request, serving: ServingDep) -> Any:
+    return await serving.openai(request, CompletionBody, COMPLETIONS)
+
+
+@api.post("/v1/chat/completions", openapi_extra=documented_body(ChatBody))
+async def chat_completions(request: Request, serving: ServingDep) -> Any:
+    return await serving.openai(request, ChatBody, CHAT)
+
+
+@api.post("/generate", openapi_extra=documented_body(GenerateBody))
+async def generate(request: Request, serving: ServingDep) -> Any:
+    return await serving.generate(request)
+
+
+@api.post("/tokenize", openapi_extra=documented_body(TokenizeBody))
+async def tokenize(request: Request, serving: ServingDep) -> dict:
+    return await serving.tokenize(request)
+
+
+@api.post("/detokenize", openapi_extra=documented_body(DetokenizeBody))
+async def detokenize(request: Request, serving: ServingDep) -> dict:
+    return await serving.detokenize(request)
+
+
+@api.get("/tokenizer_info")
+async def tokenizer_info(request: Request, serving: ServingDep) -> dict:
+    return await serving.tokenizer_info(request)
+
+
+@api.get("/version")
+async def version(request: Request, serving: ServingDep) -> dict:
+    return serving.version(request)
+
+
+@api.get("/metrics")
+async def metrics(request: Request, serving: ServingDep) -> PlainTextResponse:
+    return await serving.metrics(request)
+
+
+@api.get("/v1/models")
+async def models(request: Request, serving: ServingDep) -> dict:
+    return serving.models(request)
+
+
+@api.get("/health")
+async def health(serving: ServingDep) -> JSONResponse:
+    return await serving.health()
+
+
+async def build_serving(tokenizer: DeploymentHandle, engine: EngineClient, model_name: str, api_keys: list[str] | None,
+                        max_body_bytes: int, local_encode_max_chars: int) -> Serving:
+    """A replica's Serving: the model's tokenizer, loaded here for local encodes and detokenizing."""
+    tokenizer = over_grpc(tokenizer)
+    info = await engine.model_info()
+    hf_tokenizer = load_tokenizer(info.name)
+    encoding = PromptEncoding(tokenizer, Encoder(hf_tokenizer), local_encode_max_chars, TokenizerMetrics("ingress"))
+    return Serving(tokenizer, encoding, engine, model_name, ApiKeys.from_config(api_keys), max_body_bytes, info,
+                   TokenVocab.from_tokenizer(hf_tokenizer))
+
+
+# The routes, and the routers of the handles they call, run on the replica's own event
+# loop rather than on a loop in a thread each: two thread hops less for every chunk
 # relayed from the engine to the proxy (BENCHMARKS.md, session 9). The routes never block
 # the loop (long prompts are tokenized in the tokenizer deployment, the model steps in the engine).
 # A config file's ray_actor_options for Ingress replace this whole dict, so
 # configs/gpt2.yaml repeats these variables.
 ON_REPLICA_LOOP = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
+# Past max_ongoing_requests + max_queued_requests the proxy answers 429 + Retry-After itself
+# (plain text). Serve counts requests still being assigned as queued: keep this well above a burst.
+HTTP_LIMITS = dict(max_ongoing_requests=512, max_queued_requests=256,
+                   backpressure_config={"status_code": 429, "retry_after_s": 1})
 
 # The deployment comes last: @serve.ingress pickles the app (and the globals its routes
 # use) when it decorates the class.
@@ -69,62 +145,16 @@ ON_REPLICA_LOOP = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE
 
 @serve.deployment(
     ray_actor_options={"num_cpus": 0.25, "runtime_env": {"env_vars": ON_REPLICA_LOOP}},
-    max_ongoing_requests=512,
-    # Past 512 ongoing + 256 queued the proxy answers 429 + Retry-After itself (plain text).
-    # Serve counts requests still being assigned as queued: keep this well above a burst.
-    max_queued_requests=256,
-    backpressure_config={"status_code": 429, "retry_after_s": 1},
     graceful_shutdown_timeout_s=30,
+    **HTTP_LIMITS,
 )
 @serve.ingress(api)
 class Ingress:
+    """The routes in a deployment of their own, calling the engine deployment by handle."""
+
     async def __init__(self, tokenizer: DeploymentHandle, engine: DeploymentHandle, model_name: str,
                        api_keys: list[str] | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                        local_encode_max_chars: int = DEFAULT_LOCAL_MAX_CHARS) -> None:
         route_logs_to_serve("engine")
-        engine, tokenizer = over_grpc(engine), over_grpc(tokenizer)
-        info: ModelInfo = await engine.model_info.remote()
-        hf_tokenizer = load_tokenizer(info.name)
-        encoding = PromptEncoding(tokenizer, Encoder(hf_tokenizer), local_encode_max_chars, TokenizerMetrics("ingress"))
-        self._serving = Serving(tokenizer, encoding, engine, model_name, ApiKeys.from_config(api_keys),
-                                max_body_bytes, info, TokenVocab.from_tokenizer(hf_tokenizer))
-
-    @api.post("/v1/completions", openapi_extra=documented_body(CompletionBody))
-    async def completions(self, request: Request) -> Any:
-        return await self._serving.openai(request, CompletionBody, COMPLETIONS)
-
-    @api.post("/v1/chat/completions", openapi_extra=documented_body(ChatBody))
-    async def chat_completions(self, request: Request) -> Any:
-        return await self._serving.openai(request, ChatBody, CHAT)
-
-    @api.post("/generate", openapi_extra=documented_body(GenerateBody))
-    async def generate(self, request: Request) -> Any:
-        return await self._serving.generate(request)
-
-    @api.post("/tokenize", openapi_extra=documented_body(TokenizeBody))
-    async def tokenize(self, request: Request) -> dict:
-        return await self._serving.tokenize(request)
-
-    @api.post("/detokenize", openapi_extra=documented_body(DetokenizeBody))
-    async def detokenize(self, request: Request) -> dict:
-        return await self._serving.detokenize(request)
-
-    @api.get("/tokenizer_info")
-    async def tokenizer_info(self, request: Request) -> dict:
-        return await self._serving.tokenizer_info(request)
-
-    @api.get("/version")
-    async def version(self, request: Request) -> dict:
-        return self._serving.version(request)
-
-    @api.get("/metrics")
-    async def metrics(self, request: Request) -> PlainTextResponse:
-        return await self._serving.metrics(request)
-
-    @api.get("/v1/models")
-    async def models(self, request: Request) -> dict:
-        return self._serving.models(request)
-
-    @api.get("/health")
-    async def health(self) -> JSONResponse:
-        return await self._serving.health()
+        self.serving = await build_serving(tokenizer, RemoteEngine(engine), model_name, api_keys, max_body_bytes,
+                                           local_encode_max_chars)

@@ -1,4 +1,4 @@
-"""What the routes do, between HTTP and the two handles. A request's life here:
+"""What the routes do, between HTTP, the tokenizer deployment and the engine. A request's life here:
 
     check the API key -> read the body, at most max_body_bytes -> validate it
     (deployments/protocol.py) -> encode (ids, length checks; here or in the tokenizer
@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from ray.serve.handle import DeploymentHandle
 
 from deployments.encoding import EncodeRequest, Encoded
+from deployments.engine_client import EngineClient
 from deployments.errors import ApiError, as_api_error, unknown_model
 from deployments.generation import Choice, Generation, ServerTiming, choice_deltas
 from deployments.http_body import BodyT, read_json_body
@@ -45,7 +46,7 @@ HEALTH_TIMEOUT_S = 5.0
 class Serving:
     tokenizer: DeploymentHandle
     encoding: PromptEncoding
-    engine: DeploymentHandle
+    engine: EngineClient
     model_name: str  # the served name: what `model` in a body must say
     api_keys: ApiKeys
     max_body_bytes: int
@@ -99,7 +100,7 @@ class Serving:
 
     async def health(self) -> JSONResponse:
         try:
-            status = await asyncio.wait_for(self.engine.status.remote(), HEALTH_TIMEOUT_S)
+            status = await asyncio.wait_for(self.engine.status(), HEALTH_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001 - unreachable or restarting: unhealthy
             error = ApiError(503, f"engine unavailable: {type(exc).__name__}", "server_error", retry_after_s=1)
             return JSONResponse(error.body, status_code=503, headers=error.headers)

@@ -48,6 +48,15 @@ def test_without_preload_or_env_the_engine_gets_the_replica_defaults_alone() -> 
     assert back["runtime_env"] == {"env_vars": {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "1"}}
 
 
+def test_an_engine_serving_the_routes_runs_their_handle_routers_on_its_own_loop_too() -> None:
+    options = engine_actor_options(AppArgs(ingress="engine", engine_env={"KMP_AFFINITY": "disabled"}), 0)
+    assert options["runtime_env"] == {"env_vars": {**REPLICA_DEFAULTS, **ON_REPLICA_LOOP, "KMP_AFFINITY": "disabled"}}
+    back = engine_actor_options(AppArgs(ingress="engine", engine_env={"RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "1"}), 0)
+    assert back["runtime_env"]["env_vars"]["RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP"] == "1"  # engine_env wins
+    with pytest.raises(ValueError, match="ingress"):
+        AppArgs.model_validate({"ingress": "proxy"})
+
+
 def test_engine_cpu_replicas_sets_the_replica_count_on_cpu_and_never_on_gpus() -> None:
     """engine_cpu_replicas: 2 runs 2 CPU replicas, and the same config still runs as is on a 1-GPU machine."""
     args = AppArgs(engine_cpu_replicas=2, engine_num_cpus=0.75)

@@ -1,6 +1,7 @@
 # The HTTP API as a client meets it: a real Ray Serve instance on CPU (2 tokenizer replicas,
-# one engine replica, the FastAPI ingress), real HTTP, the real GPT-2 tokenizer and the
-# tiny checkpoint from conftest.py.
+# one engine replica, the FastAPI routes in an Ingress deployment or in the engine replica:
+# every test runs against both), real HTTP, the real GPT-2 tokenizer and the tiny
+# checkpoint from conftest.py.
 from __future__ import annotations
 
 import asyncio
@@ -34,11 +35,24 @@ APP = "rayinfer"
 ENGINE_ARGS = {"num_kv_blocks": 48, "max_num_seqs": 32, "max_num_batched_tokens": 256}
 
 
+@pytest.fixture(scope="module", params=["deployment", "engine"])
+def ingress(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def base_url(tiny_gpt2_dir: Path) -> Iterator[str]:
-    app = build_app(tiny_app_args(tiny_gpt2_dir, engine=ENGINE_ARGS, tokenizer_num_replicas=2))
+def base_url(tiny_gpt2_dir: Path, ingress: str) -> Iterator[str]:
+    app = build_app(tiny_app_args(tiny_gpt2_dir, engine=ENGINE_ARGS, tokenizer_num_replicas=2, ingress=ingress))
     with running_app(app, APP) as url:
         yield url
+
+
+def test_the_routes_run_where_the_ingress_arg_puts_them(base_url: str, ingress: str) -> None:
+    deployments = serve.status().applications[APP].deployments
+    expected = {"TokenizerDeployment", "EngineDeployment"} | ({"Ingress"} if ingress == "deployment" else set())
+    assert set(deployments) == expected
+    assert serve.get_app_handle(APP).deployment_name == ("Ingress" if ingress == "deployment" else "EngineDeployment")
+    assert httpx.get(f"{base_url}/health", timeout=30).json()["status"] == "ok"
 
 
 def test_sse_stream_sends_token_chunks_then_usage_then_done(http: httpx.Client) -> None:
