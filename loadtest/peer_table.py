@@ -114,10 +114,8 @@ def serve_config(base: Path, checkpoint: Path, dtype: str, app_args: dict, engin
     args.update(model=str(checkpoint.resolve()), weights="pretrained", dtype=dtype)
     for key, value in app_args.items():  # one level deep: {"engine": {...}} keeps the file's other engine keys
         args[key] = args.get(key, {}) | value if isinstance(value, dict) else value
-    if engine_env:
-        engine = next(d for d in app["deployments"] if d["name"] == "EngineDeployment")
-        options = engine.setdefault("ray_actor_options", {"num_cpus": app["args"].get("engine_num_cpus", 0.5)})
-        options.setdefault("runtime_env", {}).setdefault("env_vars", {}).update(engine_env)
+    if engine_env:  # build_app puts them in the engine's runtime_env, over its own variables
+        args["engine_env"] = args.get("engine_env", {}) | engine_env
     return config
 
 
