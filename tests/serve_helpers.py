@@ -135,7 +135,7 @@ class ServeRun:
         """Until GET url answers 200, failing at once if serve run exits."""
         deadline = time.monotonic() + READY_TIMEOUT_S
         while time.monotonic() < deadline:
-            assert self.proc.poll() is None, f"serve run exited early:\n{self.log_tail()}"
+            assert self.proc.poll() is None, f"serve run exited early (rc {self.proc.returncode}):\n{self.log_tail()}"
             with contextlib.suppress(httpx.TransportError):
                 if httpx.get(url, timeout=2).status_code == 200:
                     return
