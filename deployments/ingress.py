@@ -132,7 +132,7 @@ async def build_serving(tokenizer: DeploymentHandle, engine: EngineClient, model
 # relayed from the engine to the proxy (BENCHMARKS.md, session 9). The routes never block
 # the loop (long prompts are tokenized in the tokenizer deployment, the model steps in the engine).
 # A config file's ray_actor_options for Ingress replace this whole dict, so
-# configs/gpt2.yaml repeats these variables.
+# configs/scale-out.yaml repeats these variables (configs/gpt2.yaml serves the routes in the engine).
 ON_REPLICA_LOOP = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
 # Past max_ongoing_requests + max_queued_requests the proxy answers 429 + Retry-After itself
 # (plain text). Serve counts requests still being assigned as queued: keep this well above a burst.
