@@ -338,11 +338,12 @@ def check_keys_on_first_choice(base_url: str, prefixes: list[list[int]], replica
             assert new_requests(before) == {r: 1 if r == first_choice else 0 for r in replica_ids}
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def work_router(server, tiny_gpt2_dir: Path) -> Iterator[list[str]]:
     """The engine deployment routed with load_unit: work, for handles made from now on
     (Callers: the ingress's handle keeps the router it made); its replica ids. The request
-    router again afterwards."""
+    router again afterwards. Once for the module's tests in work, the last in the file: each
+    redeploy restarts both engine replicas (~20 s)."""
     redeploy(tiny_gpt2_dir, 2, WORK_ROUTER)
     try:
         yield wait_for_replicas(2)
