@@ -6,7 +6,7 @@ the sampler's `draw` and `argmax` (engine/sampler.py) and the small-batch `linea
 
 The build needs a C++ compiler and ninja (torch.utils.cpp_extension), as inductor needs the
 compiler; it is cached under ~/.cache/torch_extensions, keyed by the sources and flags, so
-only a process that finds no build compiles (~20 s). The ISA comes from the CPU probe, so
+only a process that finds no build compiles (~20-45 s). The ISA comes from the CPU probe, so
 RAYINFER_CPU_ISA=avx2 builds (and runs) the AVX2 kernels on an AVX-512 machine too.
 """
 
@@ -25,7 +25,8 @@ from engine.cpu import cpu_features
 
 logger = logging.getLogger(__name__)
 
-SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = sorted(CSRC.glob("*.cpp"))
 
 # The macro selects ATen's vector types (at::vec) for the ISA; the flags let the compiler emit it.
 _ISA_FLAGS = {
@@ -49,11 +50,28 @@ def load():
 
     isa = isa_build()
     name = f"rayinfer_kernels_{isa}"
-    with _build_lock(Path(cpp_extension._get_build_directory(name, verbose=False))):
-        cpp_extension.load(name=name, sources=[str(s) for s in SOURCES],
+    build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
+    with _build_lock(build_dir):
+        cpp_extension.load(name=name, sources=_sources_in(build_dir),
                            extra_cflags=["-O3", "-fopenmp", *_ISA_FLAGS[isa]], is_python_module=False)
     logger.info("our C++ kernels: built for %s", isa)
     return torch.ops.rayinfer
+
+
+def _sources_in(build_dir: Path) -> list[str]:
+    """The sources (and the headers they include) copied into the build directory, each
+    rewritten only where its bytes changed. Ninja keys each object on its compile command,
+    which names the source's path: built from the checkout, the same kernels loaded from
+    another clone (CI's clean clone, a second worktree) were all compiled again, and again
+    on the way back (~30-45 s an ISA on 2 cores, BENCHMARKS.md session 31)."""
+    copies = build_dir / "src"
+    copies.mkdir(exist_ok=True)
+    for source in CSRC.iterdir():
+        if source.suffix in (".cpp", ".h"):
+            copy, text = copies / source.name, source.read_bytes()
+            if not copy.exists() or copy.read_bytes() != text:
+                copy.write_bytes(text)
+    return [str(copies / source.name) for source in SOURCES]
 
 
 @contextlib.contextmanager
