@@ -49,13 +49,23 @@ def load():
     from torch.utils import cpp_extension
 
     isa = isa_build()
-    name = f"rayinfer_kernels_{isa}"
-    build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
+    name, build_dir = _name(isa), build_directory(isa)
     with _build_lock(build_dir):
         cpp_extension.load(name=name, sources=_sources_in(build_dir),
                            extra_cflags=["-O3", "-fopenmp", *_ISA_FLAGS[isa]], is_python_module=False)
     logger.info("our C++ kernels: built for %s", isa)
     return torch.ops.rayinfer
+
+
+def _name(isa: str) -> str:
+    return f"rayinfer_kernels_{isa}"
+
+
+def build_directory(isa: str) -> Path:
+    """Where the kernels for `isa` are built and cached (made if missing)."""
+    from torch.utils import cpp_extension
+
+    return Path(cpp_extension._get_build_directory(_name(isa), verbose=False))
 
 
 def _sources_in(build_dir: Path) -> list[str]:

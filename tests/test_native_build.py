@@ -11,19 +11,20 @@ import subprocess
 import sys
 from pathlib import Path
 
-from torch.utils import cpp_extension
-
 from engine import native
 
 _LOAD = ("import logging; logging.basicConfig(level=logging.INFO); "
          "from engine import native; native.load(); print('loaded')")
 
 
+def built(directory: Path) -> dict[str, int]:
+    """The build's objects and library, each with its mtime: a compile rewrites them."""
+    return {p.name: p.stat().st_mtime_ns for p in directory.iterdir() if p.suffix in (".o", ".so")}
+
+
 def test_a_lock_left_by_a_killed_build_does_not_stop_the_next_load():
     native.load()  # so the next process only loads the build
-    build_dir = Path(cpp_extension._get_build_directory(f"rayinfer_kernels_{native.isa_build()}",
-                                                        verbose=False))
-    stale = build_dir / "lock"
+    stale = native.build_directory(native.isa_build()) / "lock"
     stale.touch()
     try:
         done = subprocess.run([sys.executable, "-c", _LOAD], capture_output=True, text=True,
@@ -38,9 +39,7 @@ def test_a_lock_left_by_a_killed_build_does_not_stop_the_next_load():
 def test_another_checkout_of_the_same_sources_loads_the_build_without_compiling(tmp_path: Path):
     """CI's clean clone, or a second worktree, finds the kernels this checkout built."""
     native.load()
-    build_dir = Path(cpp_extension._get_build_directory(f"rayinfer_kernels_{native.isa_build()}",
-                                                        verbose=False))
-    built = {p.name: p.stat().st_mtime_ns for p in build_dir.iterdir() if p.suffix in (".o", ".so")}
+    before = built(native.build_directory(native.isa_build()))
     checkout = tmp_path / "clone"
     shutil.copytree(Path(native.__file__).parent, checkout / "engine",
                     ignore=shutil.ignore_patterns("__pycache__"))
@@ -49,5 +48,5 @@ def test_another_checkout_of_the_same_sources_loads_the_build_without_compiling(
                           cwd=checkout, env={**os.environ, "PYTHONPATH": str(checkout)})
     assert done.returncode == 0, done.stderr
     assert done.stdout.split()[-1] == str(checkout / "engine" / "native.py")  # the clone's code ran
-    assert len(built) == len(native.SOURCES) + 1  # an object a source, and the library
-    assert {p.name: p.stat().st_mtime_ns for p in build_dir.iterdir() if p.suffix in (".o", ".so")} == built
+    assert len(before) == len(native.SOURCES) + 1  # an object a source, and the library
+    assert built(native.build_directory(native.isa_build())) == before
