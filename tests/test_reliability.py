@@ -37,11 +37,7 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 MAX_BODY_BYTES = 16 * 1024
 # 160 blocks x 16 = 2560 tokens: two 900-token streams plus a 1024-token request fit.
 ENGINE_ARGS = {"num_kv_blocks": 160, "max_num_seqs": 2, "max_num_batched_tokens": 256,
-               "max_waiting_requests": 2, "max_waiting_tokens": 2048,
-               # the eager step: these tests are about the path around the engine, and each app
-               # start here and in test_reliability_ingress.py would compile the decode graph
-               # again (~9 s warm, ~1 min cold)
-               "compile_decode": False}
+               "max_waiting_requests": 2, "max_waiting_tokens": 2048}
 # The proxy holds at most 16 + 4 requests for the replica serving the routes; past that it sheds with 429.
 HTTP_LIMITS = {"max_ongoing_requests": 16, "max_queued_requests": 4,
                "backpressure_config": {"status_code": 429, "retry_after_s": 1}}

@@ -22,9 +22,7 @@ MAX_MODEL_LEN = 1024
 
 @pytest.fixture(scope="module")
 def base_url(tiny_gpt2_dir: Path) -> Iterator[str]:
-    # the eager step: no step is under test here, and the decode graph's compile costs ~9 s a start
-    engine = {"num_kv_blocks": 32, "compile_decode": False}
-    app = build_app(tiny_app_args(tiny_gpt2_dir, engine=engine, api_keys=[API_KEY]))
+    app = build_app(tiny_app_args(tiny_gpt2_dir, engine={"num_kv_blocks": 32}, api_keys=[API_KEY]))
     with running_app(app, _system_config={"metrics_report_interval_ms": 500}) as url:
         yield url
 
