@@ -64,9 +64,10 @@ class EngineConfig:
     # Steps of up to this many tokens with prefill chunks among them (new prompts, chunks of
     # long ones, beside decodes) take the compiled graph too, its attention reading each
     # chunk's rows causally; longer ones, and steps that score prompt logprobs, run eagerly.
-    # 0: decode-only steps alone. 64 is our C++ linears' row limit (engine/csrc/small_linear.cpp),
-    # past which a step's time is oneDNN's products, eager or compiled (BENCHMARKS.md, session 13).
-    graph_prefill_tokens: int = 64
+    # 0: decode-only steps alone. Past 64 rows (our C++ linears' limit) the graph runs oneDNN's
+    # products as eager steps do and still wins up to 128; past that its attention loses to
+    # eager's on one long chunk (BENCHMARKS.md, sessions 13 and 32).
+    graph_prefill_tokens: int = 128
     # The sampler's draw (argmax and an inverse-CDF draw per row). native: our C++ kernel
     # (engine/csrc/sampling.cpp, built with decode_attention's); torch: torch ops, compiled
     # with compile_decode; auto: native on CPU where it builds, else torch, logged.
@@ -87,7 +88,11 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     kv_cache_memory_gb: float | None = None
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512  # prefill + decode tokens per step
+    # Prefill + decode tokens per step. auto: on CPU with the decode graph, the graph's bound
+    # (graph_prefill_tokens, at least max_num_seqs), so that every step takes it and a wave of
+    # new prompts is prefilled in groups whose first tokens come a group at a time (BENCHMARKS.md,
+    # session 32); else 512 (or max_num_seqs, if more).
+    max_num_batched_tokens: int | Literal["auto"] = "auto"
     max_model_len: int | None = None  # defaults to the model's n_positions
     enable_prefix_caching: bool = True
     # Overload bounds on requests admitted but not yet past their first token (queued or
@@ -118,7 +123,8 @@ class EngineConfig:
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
         _require_positive("block_size", self.block_size)
         _require_positive("max_num_seqs", self.max_num_seqs)
-        _require_positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        if self.max_num_batched_tokens != "auto":
+            _require_positive("max_num_batched_tokens", self.max_num_batched_tokens)
         if self.num_kv_blocks is not None:
             _require_positive("num_kv_blocks", self.num_kv_blocks)
         if not (isinstance(self.graph_prefill_tokens, int) and self.graph_prefill_tokens >= 0):
@@ -131,7 +137,7 @@ class EngineConfig:
                 _require_positive(name, getattr(self, name))
         if self.kv_cache_memory_gb is not None and not self.kv_cache_memory_gb > 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
-        if self.max_num_batched_tokens < self.max_num_seqs:
+        if self.max_num_batched_tokens != "auto" and self.max_num_batched_tokens < self.max_num_seqs:
             # Every running sequence must be able to decode in every step.
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs")
 
@@ -168,6 +174,15 @@ class EngineConfig:
             # the eager step at 32 sequences (BENCHMARKS.md, "On a GPU", sessions 19, 23, 26).
             return self.torch_device.type == "cpu" or self.cuda_graphs is not False
         return bool(self.compile_decode)
+
+    @cached_property
+    def step_tokens(self) -> int:
+        """max_num_batched_tokens resolved."""
+        if self.max_num_batched_tokens != "auto":
+            return self.max_num_batched_tokens
+        if self.torch_device.type == "cpu" and self.decode_compiled and self.graph_prefill_tokens:
+            return max(self.graph_prefill_tokens, self.max_num_seqs)
+        return max(512, self.max_num_seqs)
 
     @cached_property
     def decode_graphed(self) -> bool:

@@ -55,7 +55,7 @@ class LLMEngine:
         )
         num_blocks = self._num_kv_blocks(model)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.step_tokens)
         self.runner = self._runner(model, num_blocks, graphed)
         self.runner.decode_graph = self._ready(self.runner.decode_graph)
         self._seqs: dict[str, Sequence] = {}

@@ -151,6 +151,46 @@ def test_steps_with_short_prefill_chunks_take_the_graph_and_match_the_reference_
     fast.engine.check_integrity()
 
 
+@pytest.mark.parametrize("dtype, reference_linears, atol", [
+    ("float32", "reference", 1e-3),
+    # the eager path: inductor keeps LayerNorm, GELU and residuals in fp32 (see above)
+    pytest.param("bfloat16", "auto", 0.15, marks=pytest.mark.skipif(
+        not cpu_features().can_pack(torch.bfloat16), reason="bf16 linears need oneDNN bf16 (AVX-512 BW/VL/DQ)")),
+])
+def test_by_default_a_wave_of_prompts_takes_the_graph_in_steps_of_up_to_128_tokens(tiny_gpt2_dir, dtype,
+                                                                                    reference_linears, atol):
+    """max_num_batched_tokens auto, on CPU with the graph: graph_prefill_tokens (128) a step,
+    so prompts sent together are prefilled in groups on the graph, steps past our C++ linears'
+    64 rows (oneDNN's products inside the graph) among them, and match the reference."""
+    config = dict(weights="pretrained", dtype=dtype, device="cpu")
+    fast = LLM(str(tiny_gpt2_dir), compile_decode=True, **config)
+    assert fast.engine.scheduler.max_num_batched_tokens == 128
+    compiled = num_compiled_graphs()
+    steps = record_steps(fast.engine)
+    prompts = mixed_prompts(12)  # 406 tokens in all
+    ours = fast.generate(prompts, GREEDY_TOP5)
+    expected = LLM(str(tiny_gpt2_dir), linears=reference_linears, **config).generate(prompts, GREEDY_TOP5)
+    for fast_output, reference_output in zip(ours, expected):
+        assert_logprobs_close(fast_output, reference_output, atol)
+    assert fast.engine.runner.decode_graph.num_steps == len(steps)  # every step took the graph
+    assert any(sum(step) > 64 for step in steps) and all(sum(step) <= 128 for step in steps)
+    assert num_compiled_graphs() == compiled
+    fast.engine.check_integrity()
+
+
+def test_the_step_budget_on_auto_is_the_graphs_bound_on_cpu_and_512_without_the_graph():
+    assert EngineConfig(device="cpu", compile_decode=True).step_tokens == 128
+    assert EngineConfig(device="cpu", compile_decode=True, graph_prefill_tokens=64, max_num_seqs=96).step_tokens == 96
+    assert EngineConfig(device="cpu").step_tokens == 512  # eager steps: one big prefill step costs less
+    assert EngineConfig(device="cpu", compile_decode=True, graph_prefill_tokens=0).step_tokens == 512
+    assert EngineConfig(device="cpu", max_num_seqs=600).step_tokens == 600  # every sequence decodes each step
+    assert EngineConfig(device="cpu", compile_decode=True, max_num_batched_tokens=300).step_tokens == 300
+    with pytest.raises(ValueError, match="max_num_batched_tokens must be a positive integer"):
+        EngineConfig(max_num_batched_tokens="all")
+    with pytest.raises(ValueError, match="max_num_batched_tokens must be >= max_num_seqs"):
+        EngineConfig(max_num_batched_tokens=32, max_num_seqs=64)
+
+
 def test_one_thread_steps_take_a_variant_compiled_with_the_engine(tiny_gpt2_dir, caplog, restore_torch_threads):
     """One-token steps on one torch thread (one_thread_max_tokens) run a variant of the graph
     of their own (dynamo guards on the thread count): it compiles while the engine is built,
