@@ -176,21 +176,21 @@ class EngineConfig:
         return bool(self.compile_decode)
 
     @cached_property
-    def step_tokens(self) -> int:
-        """max_num_batched_tokens resolved."""
-        if self.max_num_batched_tokens != "auto":
-            return self.max_num_batched_tokens
-        if self.torch_device.type == "cpu" and self.decode_compiled and self.graph_prefill_tokens:
-            return max(self.graph_prefill_tokens, self.max_num_seqs)
-        return max(512, self.max_num_seqs)
-
-    @cached_property
     def decode_graphed(self) -> bool:
         """Whether decode steps replay CUDA graphs (cuda_graphs resolved)."""
         on_cuda = self.torch_device.type == "cuda"
         if self.cuda_graphs is True and not on_cuda:
             raise ValueError(f"cuda_graphs: true needs a CUDA device, not {self.torch_device}")
         return on_cuda and self.cuda_graphs is not False
+
+    def step_tokens(self, cpu_graph: bool) -> int:
+        """max_num_batched_tokens resolved; cpu_graph: whether the engine's steps take the
+        compiled CPU graph (compile_decode on, and it compiled)."""
+        if self.max_num_batched_tokens != "auto":
+            return self.max_num_batched_tokens
+        if cpu_graph and self.graph_prefill_tokens:
+            return max(self.graph_prefill_tokens, self.max_num_seqs)
+        return max(512, self.max_num_seqs)
 
     @cached_property
     def cpu_threads(self) -> int:

@@ -55,9 +55,11 @@ class LLMEngine:
         )
         num_blocks = self._num_kv_blocks(model)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.step_tokens)
         self.runner = self._runner(model, num_blocks, graphed)
         self.runner.decode_graph = self._ready(self.runner.decode_graph)
+        # the budget follows the graph the engine got: one that could not compile leaves eager steps
+        cpu_graph = isinstance(self.runner.decode_graph, DecodeGraph)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.step_tokens(cpu_graph))
         self._seqs: dict[str, Sequence] = {}
         self.step_log = StepLog()  # the replica's metrics drain it
         self._num_prompt_tokens = 0

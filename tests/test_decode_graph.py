@@ -178,13 +178,15 @@ def test_by_default_a_wave_of_prompts_takes_the_graph_in_steps_of_up_to_128_toke
     fast.engine.check_integrity()
 
 
-def test_the_step_budget_on_auto_is_the_graphs_bound_on_cpu_and_512_without_the_graph():
-    assert EngineConfig(device="cpu", compile_decode=True).step_tokens == 128
-    assert EngineConfig(device="cpu", compile_decode=True, graph_prefill_tokens=64, max_num_seqs=96).step_tokens == 96
-    assert EngineConfig(device="cpu").step_tokens == 512  # eager steps: one big prefill step costs less
-    assert EngineConfig(device="cpu", compile_decode=True, graph_prefill_tokens=0).step_tokens == 512
-    assert EngineConfig(device="cpu", max_num_seqs=600).step_tokens == 600  # every sequence decodes each step
-    assert EngineConfig(device="cpu", compile_decode=True, max_num_batched_tokens=300).step_tokens == 300
+def test_the_step_budget_on_auto_is_the_graphs_bound_on_cpu_and_512_without_the_graph(tiny_gpt2_dir):
+    assert EngineConfig(device="cpu", compile_decode=True).step_tokens(cpu_graph=True) == 128
+    assert EngineConfig(graph_prefill_tokens=64, max_num_seqs=96).step_tokens(cpu_graph=True) == 96
+    assert EngineConfig(device="cpu").step_tokens(cpu_graph=False) == 512  # eager steps: one big prefill step costs less
+    assert EngineConfig(graph_prefill_tokens=0).step_tokens(cpu_graph=True) == 512
+    assert EngineConfig(max_num_seqs=600).step_tokens(cpu_graph=False) == 600  # every sequence decodes each step
+    assert EngineConfig(max_num_batched_tokens=300).step_tokens(cpu_graph=True) == 300
+    no_graph = LLM(str(tiny_gpt2_dir), weights="pretrained", device="cpu")
+    assert no_graph.engine.scheduler.max_num_batched_tokens == 512
     with pytest.raises(ValueError, match="max_num_batched_tokens must be a positive integer"):
         EngineConfig(max_num_batched_tokens="all")
     with pytest.raises(ValueError, match="max_num_batched_tokens must be >= max_num_seqs"):
@@ -233,6 +235,7 @@ def test_a_graph_that_cannot_compile_leaves_decode_steps_eager(tiny_gpt2_dir, mo
                linears="reference")
     assert fast.engine.runner.decode_graph is None
     assert "decode steps run eagerly" in caplog.text
+    assert fast.engine.scheduler.max_num_batched_tokens == 512  # the budget of eager steps
     reference = LLM(str(tiny_gpt2_dir), weights="pretrained", dtype="float32", device="cpu", linears="reference")
     prompts = mixed_prompts(3)
     assert [o.token_ids for o in fast.generate(prompts, GREEDY_TOP5)] == \

@@ -118,12 +118,13 @@ def test_cuda_auto_dtype_and_seeded_sampling(tiny_gpt2_dir):
     assert alone == batched
 
 
-def test_cuda_compile_decode_auto_compiles_inside_cuda_graphs_only():
+def test_cuda_compile_decode_auto_compiles_inside_cuda_graphs_only(tiny_gpt2_dir):
     assert EngineConfig(device="cuda", compile_decode="auto").decode_compiled
     assert not EngineConfig(device="cuda", compile_decode="auto", cuda_graphs=False).decode_compiled
     assert not EngineConfig(device="cuda").decode_compiled  # compile_decode's default: off
     # the step budget's auto: 512 on a GPU, where prefill steps are not the CPU's 128-token groups
-    assert EngineConfig(device="cuda", compile_decode="auto").step_tokens == 512
+    graphed = LLM(str(tiny_gpt2_dir), weights="pretrained", device="cuda", compile_decode="auto")
+    assert graphed.engine.scheduler.max_num_batched_tokens == 512
 
 
 def test_a_compiled_step_that_cannot_capture_falls_back_to_graphs_of_the_eager_step(tiny_gpt2_dir, monkeypatch):
