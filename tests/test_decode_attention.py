@@ -130,6 +130,52 @@ def test_prefill_chunk_rows_attend_causally_to_their_chunk(dtype, atol):
                                kernel(qkv[:, 0], qkv[:, 1], qkv[:, 2], k_cache, v_cache, tables, positions))
 
 
+def steps_rows(sequences, head_dim: int, dtype: torch.dtype):
+    """A step's rows for sequences given as (cached tokens, rows this step): a decode is one
+    row, a prefill chunk more; each on blocks of its own, the chunk's rows naming its first."""
+    generator = torch.Generator().manual_seed(3)
+    blocks_each = max(cached + rows for cached, rows in sequences) // BLOCK_SIZE + 1
+    pools = [torch.randn(HEADS, len(sequences) * blocks_each, BLOCK_SIZE, head_dim, generator=generator).to(dtype)
+             for _ in range(2)]
+    own_blocks = torch.randperm(len(sequences) * blocks_each, generator=generator).view(len(sequences), blocks_each)
+    sequence = torch.cat([torch.full((rows,), i) for i, (_, rows) in enumerate(sequences)])
+    starts = torch.tensor([0] + [rows for _, rows in sequences]).cumsum(0)[:-1]
+    first_rows = starts[sequence]
+    positions = torch.cat([cached + torch.arange(rows) for cached, rows in sequences])
+    qkv = torch.randn(len(sequence), 3, HEADS, head_dim, generator=generator).to(dtype)
+    return qkv, *pools, own_blocks[sequence], positions, first_rows
+
+
+@pytest.mark.parametrize("head_dim", [16, 64])
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_a_long_prefill_chunk_attends_as_its_rows_would_alone(dtype, atol, head_dim):
+    """Chunks of 16 rows or more take the kernel's tiled path (keys staged once per chunk and
+    head, rows in tiles): a 37-row chunk after 21 cached tokens (tiles and key groups cut
+    short), a 16-row one from nothing, beside decodes and a short chunk, give each row what
+    the per-row reference does."""
+    kernel = native_attention.load()
+    qkv, k_cache, v_cache, tables, positions, first_rows = steps_rows([(9, 1), (21, 37), (33, 1), (0, 16), (4, 3)],
+                                                                       head_dim, dtype)
+    cached = positions - (torch.arange(len(positions)) - first_rows)
+    expected = reference_with_own(qkv, k_cache, v_cache, tables, positions)
+    ours = kernel(qkv[:, 0], qkv[:, 1], qkv[:, 2], k_cache, v_cache, tables, cached, first_rows)
+    torch.testing.assert_close(ours, expected, atol=atol, rtol=atol)
+
+
+def test_a_chunk_whose_rows_disagree_is_attended_row_by_row():
+    """The tiled path stages one block table and cached length per chunk; rows naming one
+    chunk but holding different ones (not what the engine sends) are each attended alone."""
+    kernel = native_attention.load()
+    qkv, k_cache, v_cache, tables, positions, first_rows = steps_rows([(21, 20)], 16, torch.float32)
+    cached = positions - (torch.arange(len(positions)) - first_rows)
+    cached[-1] -= 5  # the last row sees fewer cached tokens than its chunk's others
+    moved = tables.clone()
+    moved[3, 1] = tables[3, 0]  # and one row reads another block for positions 16-31
+    ours = kernel(qkv[:, 0], qkv[:, 1], qkv[:, 2], k_cache, v_cache, moved, cached, first_rows)
+    expected = decode_attention_with_own(qkv[:, 0], qkv[:, 1], qkv[:, 2], k_cache, v_cache, moved, cached, first_rows)
+    torch.testing.assert_close(ours, expected, atol=1e-5, rtol=1e-5)
+
+
 def test_native_kernel_is_built_for_the_probed_isa():
     """CI's emulated step (RAYINFER_CPU_ISA=avx2 on an AVX-512 machine) builds and runs the
     AVX2 kernel: the build follows the probe, not the compiler's view of the CPU."""

@@ -19,19 +19,10 @@
 #include <optional>
 #include <vector>
 
+#include "chunk_attention.h"
+#include "paged_keys.h"
+
 namespace {
-
-using Vec = at::vec::Vectorized<float>;
-constexpr int64_t kMaxHeadDim = 512;
-constexpr int64_t kMaxChunks = kMaxHeadDim / Vec::size();
-
-inline Vec load(const float* p) { return Vec::loadu(p); }
-
-inline Vec load(const at::BFloat16* p) {
-  Vec out;
-  at::vec::load_fp32_from_bf16(p, out);
-  return out;
-}
 
 template <typename T>
 inline float dot(const Vec* query, const T* key, int64_t chunks) {
@@ -51,53 +42,6 @@ inline void prefetch_row(const T* row, int64_t head_dim) {
   const char* bytes = reinterpret_cast<const char*>(row);
   for (int64_t i = 0; i < head_dim * static_cast<int64_t>(sizeof(T)); i += 64) __builtin_prefetch(bytes + i);
 }
-
-inline int64_t round_up(int64_t n, int64_t multiple) { return (n + multiple - 1) / multiple * multiple; }
-
-// scores[t] = exp(scores[t] - max_score) for t < n, vectorised; returns their sum. The
-// buffer holds whole vectors past n: its padding is set to -inf, whose exp is 0.
-inline float exp_normalised(float* scores, int64_t n, float max_score) {
-  const int64_t padded = round_up(n, Vec::size());
-  std::fill(scores + n, scores + padded, -INFINITY);
-  const Vec shift(max_score);
-  Vec sum(0.f);
-  for (int64_t t = 0; t < padded; t += Vec::size()) {
-    const Vec e = (Vec::loadu(scores + t) - shift).exp_u20();
-    e.store(scores + t);
-    sum = sum + e;
-  }
-  return at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, sum);
-}
-
-// A strided [*, *, D] or [*, *, *, D] tensor's base pointer and leading strides.
-template <typename T>
-struct View {
-  const T* data;
-  int64_t s0, s1, s2;
-  explicit View(const at::Tensor& t)
-      : data(t.data_ptr<T>()), s0(t.stride(0)), s1(t.stride(1)), s2(t.dim() > 3 ? t.stride(2) : 0) {}
-};
-
-// Pointers to one (row, head)'s data: its query, the first in-flight key and value of its
-// chunk (rows `fresh` apart), and its cached keys and values through its block table.
-template <typename T>
-struct Task {
-  const T* query;
-  const T* fresh_keys;    // this step's key of the chunk's first row, for this head
-  const T* fresh_values;  // and its value
-  int64_t fresh, key_row, value_row;  // the chunk's rows up to this one; strides between rows
-  const T* head_keys;    // the head's plane of the key pool
-  const T* head_values;  // and of the value pool
-  const int64_t* table;
-  int64_t cached, block_size, key_block, key_slot, value_block, value_slot;
-
-  const T* key(int64_t t) const { return head_keys + table[t / block_size] * key_block + (t % block_size) * key_slot; }
-  const T* value(int64_t t) const {
-    return head_values + table[t / block_size] * value_block + (t % block_size) * value_slot;
-  }
-  const T* fresh_key(int64_t j) const { return fresh_keys + j * key_row; }
-  const T* fresh_value(int64_t j) const { return fresh_values + j * value_row; }
-};
 
 // The scaled scores of the cached keys, then of the chunk's in-flight keys up to this row's
 // own, into scores[0..cached + fresh), their maximum returned.
@@ -128,33 +72,95 @@ void weigh_values(const Task<T>& task, const float* scores, float total, int64_t
   for (int64_t i = 0; i < head_dim; ++i) out_row[i] = static_cast<T>(row[i]);
 }
 
+// The step's tensors as pointers, and one (row, head)'s Task from them.
+template <typename T>
+struct Operands {
+  View<T> queries, keys, values, key_pool, value_pool;
+  const int64_t* tables;
+  const int64_t* lens;
+  int64_t width, block_size;
+
+  Task<T> task(int64_t b, int64_t h, int64_t first) const {
+    return Task<T>{queries.data + b * queries.s0 + h * queries.s1, keys.data + first * keys.s0 + h * keys.s1,
+                   values.data + first * values.s0 + h * values.s1, b - first + 1, keys.s0, values.s0,
+                   key_pool.data + h * key_pool.s0, value_pool.data + h * value_pool.s0, tables + b * width,
+                   lens[b], block_size, key_pool.s1, key_pool.s2, value_pool.s1, value_pool.s2};
+  }
+};
+
+struct Chunk {
+  int64_t first, rows;
+};
+
+// The prefill chunks of kMinChunkRows rows or more whose rows share their cached length and
+// block table, as the engine's always do: chunk_attention.h takes these, the per-row kernel
+// the rest (`single`).
+std::vector<Chunk> long_chunks(const int64_t* first_rows, const int64_t* lens, const int64_t* tables, int64_t batch,
+                               int64_t width, std::vector<int64_t>& single) {
+  std::vector<Chunk> chunks;
+  for (int64_t b = 0; b < batch;) {
+    int64_t end = b + 1;
+    while (first_rows != nullptr && end < batch && first_rows[end] == b) ++end;
+    bool shared = first_rows != nullptr && first_rows[b] == b && end - b >= kMinChunkRows;
+    for (int64_t r = b + 1; shared && r < end; ++r) {
+      shared = lens[r] == lens[b] && std::equal(tables + r * width, tables + (r + 1) * width, tables + b * width);
+    }
+    if (shared) chunks.push_back({b, end - b});
+    for (int64_t r = b; !shared && r < end; ++r) single.push_back(r);
+    b = end;
+  }
+  return chunks;
+}
+
+template <typename T>
+void attend_rows(const Operands<T>& ops, const std::vector<int64_t>& rows, const int64_t* first_rows,
+                 int64_t longest_chunk, int64_t heads, int64_t head_dim, T* output) {
+  const int64_t chunks = head_dim / Vec::size();
+  const Vec scale(1.f / std::sqrt(static_cast<float>(head_dim)));
+  at::parallel_for(0, static_cast<int64_t>(rows.size()) * heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(round_up(ops.width * ops.block_size + longest_chunk, Vec::size()));
+    Vec query[kMaxChunks], acc[kMaxChunks];
+    float row[kMaxHeadDim];
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = rows[i / heads], h = i % heads, first = first_rows == nullptr ? b : first_rows[b];
+      const Task<T> task = ops.task(b, h, first);
+      for (int64_t c = 0; c < chunks; ++c) query[c] = load(task.query + c * Vec::size()) * scale;
+      const float max_score = score(task, query, chunks, head_dim, scores.data());
+      const float total = exp_normalised(scores.data(), task.cached + task.fresh, max_score);
+      weigh_values(task, scores.data(), total, chunks, acc, row, output + (b * heads + h) * head_dim, head_dim);
+    }
+  });
+}
+
+// Head-major, so that each thread's share of the tasks holds its share of every chunk.
+template <typename T>
+void attend_chunks(const Operands<T>& ops, const std::vector<Chunk>& chunks, int64_t heads, int64_t head_dim,
+                   T* output) {
+  const int64_t count = static_cast<int64_t>(chunks.size());
+  const float scale = 1.f / std::sqrt(static_cast<float>(head_dim));
+  at::parallel_for(0, count * heads, 1, [&](int64_t begin, int64_t end) {
+    ChunkScratch scratch;
+    for (int64_t i = begin; i < end; ++i) {
+      const Chunk& chunk = chunks[i % count];
+      const int64_t h = i / count;
+      attend_chunk(ops.task(chunk.first, h, chunk.first), chunk.rows, ops.queries.s0, scale, head_dim,
+                   output + (chunk.first * heads + h) * head_dim, heads * head_dim, scratch);
+    }
+  });
+}
+
 template <typename T>
 void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
             const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& context_lens,
             const int64_t* first_rows, int64_t longest_chunk, at::Tensor& out) {
-  const int64_t heads = q.size(1), head_dim = q.size(2), chunks = head_dim / Vec::size();
-  const int64_t block_size = k_cache.size(2), width = block_tables.size(1);
-  const Vec scale(1.f / std::sqrt(static_cast<float>(head_dim)));
-  const View<T> queries(q), keys(k), values(v), key_pool(k_cache), value_pool(v_cache);
-  const int64_t* tables = block_tables.data_ptr<int64_t>();
-  const int64_t* lens = context_lens.data_ptr<int64_t>();
-  T* output = out.data_ptr<T>();
-  at::parallel_for(0, q.size(0) * heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(round_up(width * block_size + longest_chunk, Vec::size()));
-    Vec query[kMaxChunks], acc[kMaxChunks];
-    float row[kMaxHeadDim];
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t b = i / heads, h = i % heads, first = first_rows == nullptr ? b : first_rows[b];
-      const Task<T> task{queries.data + b * queries.s0 + h * queries.s1, keys.data + first * keys.s0 + h * keys.s1,
-                         values.data + first * values.s0 + h * values.s1, b - first + 1, keys.s0, values.s0,
-                         key_pool.data + h * key_pool.s0, value_pool.data + h * value_pool.s0, tables + b * width,
-                         lens[b], block_size, key_pool.s1, key_pool.s2, value_pool.s1, value_pool.s2};
-      for (int64_t c = 0; c < chunks; ++c) query[c] = load(task.query + c * Vec::size()) * scale;
-      const float max_score = score(task, query, chunks, head_dim, scores.data());
-      const float total = exp_normalised(scores.data(), task.cached + task.fresh, max_score);
-      weigh_values(task, scores.data(), total, chunks, acc, row, output + i * head_dim, head_dim);
-    }
-  });
+  const Operands<T> ops{View<T>(q), View<T>(k), View<T>(v), View<T>(k_cache), View<T>(v_cache),
+                        block_tables.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(), block_tables.size(1),
+                        k_cache.size(2)};
+  const int64_t heads = q.size(1), head_dim = q.size(2);
+  std::vector<int64_t> single;
+  const std::vector<Chunk> chunks = long_chunks(first_rows, ops.lens, ops.tables, q.size(0), ops.width, single);
+  if (!chunks.empty()) attend_chunks(ops, chunks, heads, head_dim, out.data_ptr<T>());
+  if (!single.empty()) attend_rows(ops, single, first_rows, longest_chunk, heads, head_dim, out.data_ptr<T>());
 }
 
 // Every read stays in the pools: block ids within them, lengths within each row's table.
