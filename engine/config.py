@@ -65,8 +65,9 @@ class EngineConfig:
     # long ones, beside decodes) take the compiled graph too, its attention reading each
     # chunk's rows causally; longer ones, and steps that score prompt logprobs, run eagerly.
     # 0: decode-only steps alone. Past 64 rows (our C++ linears' limit) the graph runs oneDNN's
-    # products as eager steps do and still wins up to 128; past that its attention loses to
-    # eager's on one long chunk (BENCHMARKS.md, sessions 13 and 32).
+    # products as eager steps do and still wins up to 128; a long prompt's 128-token chunks
+    # on it now prefill as fast as eager's one step, or faster (BENCHMARKS.md, sessions 13,
+    # 32 and 33).
     graph_prefill_tokens: int = 128
     # The sampler's draw (argmax and an inverse-CDF draw per row). native: our C++ kernel
     # (engine/csrc/sampling.cpp, built with decode_attention's); torch: torch ops, compiled

@@ -5,8 +5,9 @@
 // block table (no gathered copy), in float32 with the ISA's widest vectors, plus the k, v of
 // this step's rows from its chunk's first row up to itself, which the caller writes to the
 // pools after the step. A decode row's chunk is itself; a prefill chunk's rows share a
-// block table and each attends causally to the chunk's rows before it. Work is split over
-// (row, head) pairs across torch's intra-op threads.
+// block table and each attends causally to the chunk's rows before it. Chunks of
+// kMinChunkRows rows or more go to chunk_attention.h's tiles, split over (chunk, head) pairs
+// across torch's intra-op threads; the other rows here, split over (row, head) pairs.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
