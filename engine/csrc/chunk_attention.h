@@ -18,9 +18,12 @@
 namespace {
 
 constexpr int64_t kMinChunkRows = 16;
-constexpr int64_t kGroup = 16;                          // keys a group, and head dims a slice
-constexpr int kGroupVecs = kGroup / Vec::size();       // 1 vector on AVX-512, 2 on AVX2
-constexpr int kTileRows = 8 / kGroupVecs;              // 8 x 1 or 4 x 2 accumulators
+// A group's keys are two vectors' lanes (32 on AVX-512, 16 on AVX2), so that each broadcast
+// of a query's element feeds two multiply-adds; a tile's rows fill 16 of AVX-512's 32
+// registers with accumulators, 8 of AVX2's 16.
+constexpr int kGroupVecs = 2;
+constexpr int64_t kGroup = kGroupVecs * Vec::size();
+constexpr int kTileRows = Vec::size() >= 16 ? 8 : 4;
 
 // One (chunk, head)'s working set in float32: keys [groups][D][kGroup], dimension by
 // dimension and zero past the last key; values [keys][D]; a tile's scaled queries [rows][D]
@@ -72,26 +75,38 @@ void tile_scores(const float* queries, const float* keys, int64_t num_groups, in
   }
 }
 
-// out[r] = sum over keys t < num_keys of probs[r][t] * values[t] / totals[r], for rows r < rows.
-template <int R, typename T>
-void weigh_tile(const float* values, const float* probs, int64_t stride, int64_t num_keys, int64_t head_dim,
-                const float* totals, int64_t rows, T* out, int64_t out_row) {
-  for (int64_t slice = 0; slice < head_dim; slice += kGroup) {
-    Vec acc[R][kGroupVecs];
-    for (auto& row : acc) std::fill(row, row + kGroupVecs, Vec(0.f));
+// out[r][slice ..) = sum over keys t < num_keys of probs[r][t] * values[t][slice ..) / totals[r],
+// for rows r < rows, V vectors of head dims a slice.
+template <int R, int V, typename T>
+void weigh_slices(const float* values, const float* probs, int64_t stride, int64_t num_keys, int64_t head_dim,
+                  const float* totals, int64_t rows, T* out, int64_t out_row) {
+  for (int64_t slice = 0; slice < head_dim; slice += V * Vec::size()) {
+    Vec acc[R][V];
+    for (auto& row : acc) std::fill(row, row + V, Vec(0.f));
     for (int64_t t = 0; t < num_keys; ++t) {
-      Vec value[kGroupVecs];
-      for (int v = 0; v < kGroupVecs; ++v) value[v] = Vec::loadu(values + t * head_dim + slice + v * Vec::size());
+      Vec value[V];
+      for (int v = 0; v < V; ++v) value[v] = Vec::loadu(values + t * head_dim + slice + v * Vec::size());
       for (int r = 0; r < R; ++r) {
         const Vec p(probs[r * stride + t]);
-        for (int v = 0; v < kGroupVecs; ++v) acc[r][v] = at::vec::fmadd(p, value[v], acc[r][v]);
+        for (int v = 0; v < V; ++v) acc[r][v] = at::vec::fmadd(p, value[v], acc[r][v]);
       }
     }
     for (int64_t r = 0; r < rows; ++r) {
-      float row[kGroup];
-      for (int v = 0; v < kGroupVecs; ++v) (acc[r][v] * Vec(1.f / totals[r])).store(row + v * Vec::size());
-      std::copy(row, row + kGroup, out + r * out_row + slice);
+      float row[V * Vec::size()];
+      for (int v = 0; v < V; ++v) (acc[r][v] * Vec(1.f / totals[r])).store(row + v * Vec::size());
+      std::copy(row, row + V * Vec::size(), out + r * out_row + slice);
     }
+  }
+}
+
+// Head dims two vectors a slice where they divide (GPT-2's 64 on either ISA), else one.
+template <int R, typename T>
+void weigh_tile(const float* values, const float* probs, int64_t stride, int64_t num_keys, int64_t head_dim,
+                const float* totals, int64_t rows, T* out, int64_t out_row) {
+  if (head_dim % (2 * Vec::size()) == 0) {
+    weigh_slices<R, 2>(values, probs, stride, num_keys, head_dim, totals, rows, out, out_row);
+  } else {
+    weigh_slices<R, 1>(values, probs, stride, num_keys, head_dim, totals, rows, out, out_row);
   }
 }
 
