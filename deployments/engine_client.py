@@ -11,15 +11,28 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from ray.serve.handle import DeploymentHandle
 
 from deployments.handles import over_grpc
-from engine import GenerationChunk, ModelInfo, SamplingParams
+from engine import EngineStats, GenerationChunk, ModelInfo, SamplingParams
 
 if TYPE_CHECKING:
-    from deployments.engine_deployment import EngineReplica, EngineStatus
+    from deployments.engine_deployment import EngineReplica
+
+
+@dataclass(frozen=True)
+class EngineStatus:
+    """What `status()` reports; defined here, not beside the replica, so that an Ingress
+    unpickling it never imports the engine's code (and torch with it)."""
+
+    model: ModelInfo
+    stats: EngineStats
+    num_active_requests: int
+    is_dead: bool
+    rss_bytes: int  # of this replica's process: flat over time, or something leaks
 
 
 class EngineStream(Protocol):

@@ -12,7 +12,6 @@ import contextlib
 import logging
 import os
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 import psutil
 from ray import serve
@@ -21,19 +20,11 @@ from ray.serve.schema import ReplicaRank
 from deployments import chunk_budget
 from deployments.chunk_budget import ChunkBudget
 from deployments.cpu_binding import ReplicaCores
+from deployments.engine_client import EngineStatus
 from deployments.engine_load import EngineLoad, LoadLog
 from deployments.logs import route_logs_to_serve
 from deployments.metrics import EngineMetricsReporter
-from engine import AsyncEngine, EngineConfig, EngineStats, GenerationChunk, ModelInfo, SamplingParams
-
-
-@dataclass(frozen=True)
-class EngineStatus:
-    model: ModelInfo
-    stats: EngineStats
-    num_active_requests: int
-    is_dead: bool
-    rss_bytes: int  # of this replica's process: flat over time, or something leaks
+from engine import AsyncEngine, EngineConfig, GenerationChunk, ModelInfo, SamplingParams
 
 
 FAULT_INJECTION_ENV = "RAYINFER_ENABLE_FAULT_INJECTION"  # "1" only in tests

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.detokenizer import TokenVocab
-from engine.logprobs import TokenLogprob
+from engine.token_logprob import TokenLogprob
 
 _FLOOR = -9999.0  # OpenAI's JSON has no -inf: vLLM clamps to this
 

@@ -13,15 +13,46 @@ Knows nothing of Ray or HTTP. The public API:
     TokenLogprob(token_id, logprob, top): a logprob of the model's raw distribution
 """
 
-from engine.async_engine import AsyncEngine
-from engine.config import EngineConfig
-from engine.llm import LLM, CompletionOutput
-from engine.llm_engine import LLMEngine
-from engine.logprobs import TokenLogprob
-from engine.outputs import (
-    ChunkTimings, EngineDeadError, EngineOverloadedError, EngineStats, GenerationChunk, ModelInfo,
-)
-from engine.sampling_params import SamplingParams, select_best
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.async_engine import AsyncEngine
+    from engine.config import EngineConfig
+    from engine.llm import LLM, CompletionOutput
+    from engine.llm_engine import LLMEngine
+    from engine.token_logprob import TokenLogprob
+    from engine.outputs import (
+        ChunkTimings, EngineDeadError, EngineOverloadedError, EngineStats, GenerationChunk, ModelInfo,
+    )
+    from engine.sampling_params import SamplingParams, select_best
+
+# Each name's module, imported on first use: the processes that only check requests or
+# tokenize (the tokenizer replicas, an Ingress apart from the engine) import
+# `engine.request_rules` and the like without paying for torch and the model's code.
+_HOMES = {
+    "AsyncEngine": "engine.async_engine",
+    "EngineConfig": "engine.config",
+    "LLM": "engine.llm",
+    "CompletionOutput": "engine.llm",
+    "LLMEngine": "engine.llm_engine",
+    "TokenLogprob": "engine.token_logprob",
+    "ChunkTimings": "engine.outputs",
+    "EngineDeadError": "engine.outputs",
+    "EngineOverloadedError": "engine.outputs",
+    "EngineStats": "engine.outputs",
+    "GenerationChunk": "engine.outputs",
+    "ModelInfo": "engine.outputs",
+    "SamplingParams": "engine.sampling_params",
+    "select_best": "engine.sampling_params",
+}
+
+
+def __getattr__(name: str):
+    if name not in _HOMES:
+        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    return getattr(importlib.import_module(_HOMES[name]), name)
+
 
 __all__ = [
     "LLM",

@@ -15,8 +15,10 @@ go back in reverse order, so its tail is evicted before its (more shareable) hea
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import TYPE_CHECKING
 
-from engine.sequence import Sequence
+if TYPE_CHECKING:
+    from engine.sequence import Sequence
 
 
 class Block:

@@ -10,7 +10,7 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer, TokenVocab
 from engine.llm_engine import LLMEngine
 from engine.loader import load_tokenizer
-from engine.logprobs import TokenLogprob
+from engine.token_logprob import TokenLogprob
 from engine.outputs import StepOutput
 from engine.sampling_params import SamplingParams
 

@@ -16,7 +16,7 @@ from engine.decode_graph import DecodeGraph
 from engine.heap import limit_onednn_caches
 from engine.kernel_choice import decode_attention, sampler_draw, small_batch_linear
 from engine.loader import ModelSource, load_state_dict, resolve_model
-from engine.logprobs import TokenLogprob
+from engine.token_logprob import TokenLogprob
 from engine.model_runner import ModelOutput, ModelRunner
 from engine.models.gpt2 import GPT2LMHead
 from engine.packed_linear import can_pack

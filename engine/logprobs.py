@@ -13,17 +13,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine.token_logprob import TokenLogprob
+
 if TYPE_CHECKING:
     from engine.sequence import Sequence
-
-
-@dataclass(frozen=True, slots=True)
-class TokenLogprob:
-    """One position: the logprob of its token, and the position's most likely tokens."""
-
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob) of the k most likely, best first
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: list[int]) -> list[TokenLogprob]:

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from engine.logprobs import TokenLogprob
-from engine.sequence import RequestTimings
+from engine.token_logprob import TokenLogprob
+
+if TYPE_CHECKING:
+    from engine.sequence import RequestTimings
 
 
 class EngineDeadError(RuntimeError):

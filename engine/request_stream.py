@@ -16,7 +16,7 @@ import math
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from engine.logprobs import TokenLogprob
+from engine.token_logprob import TokenLogprob
 from engine.outputs import ChunkTimings, GenerationChunk, StepOutput
 
 

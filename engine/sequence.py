@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.logits_controls import TokenCounts
-from engine.logprobs import TokenLogprob
+from engine.token_logprob import TokenLogprob
 from engine.sampling_params import SamplingParams
 
 

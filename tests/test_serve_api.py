@@ -11,6 +11,7 @@ from pathlib import Path
 
 import httpx
 import openai
+import psutil
 import pytest
 import ray
 from ray import serve
@@ -25,7 +26,7 @@ from loadtest.handle_target import HandleTarget, run_over_handle
 from tests.http_helpers import (
     PROMPTS, check_engine_integrity, engine_health, greedy, sse_payloads, wait_until_idle,
 )
-from tests.serve_helpers import running_app, tiny_app_args
+from tests.serve_helpers import replica_process, replica_processes, running_app, tiny_app_args
 
 pytestmark = pytest.mark.serve
 
@@ -53,6 +54,19 @@ def test_the_routes_run_where_the_ingress_arg_puts_them(base_url: str, ingress: 
     assert set(deployments) == expected
     assert serve.get_app_handle(APP).deployment_name == ("Ingress" if ingress == "deployment" else "EngineDeployment")
     assert httpx.get(f"{base_url}/health", timeout=30).json()["status"] == "ok"
+
+
+def torch_libraries(pid: int) -> set[str]:
+    return {Path(m.path).name for m in psutil.Process(pid).memory_maps() if "/torch/" in m.path}
+
+
+def test_the_replicas_that_never_run_the_model_never_load_torch(base_url: str, ingress: str) -> None:
+    # Each is a scale-out unit of its own: torch would double its memory and start-up.
+    light = ["TokenizerDeployment"] + (["Ingress"] if ingress == "deployment" else [])
+    processes = [p for deployment in light for p in replica_processes(deployment, APP)]
+    assert len(processes) == len(light) + 1  # two tokenizer replicas
+    assert "libtorch_cpu.so" in torch_libraries(replica_process("EngineDeployment", APP).pid)
+    assert {p.pid: torch_libraries(p.pid) for p in processes} == {p.pid: set() for p in processes}
 
 
 def test_sse_stream_sends_token_chunks_then_usage_then_done(http: httpx.Client) -> None:
