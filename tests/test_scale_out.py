@@ -339,16 +339,14 @@ def check_keys_on_first_choice(base_url: str, prefixes: list[list[int]], replica
 
 
 @pytest.fixture(scope="module")
-def work_router(server, tiny_gpt2_dir: Path) -> Iterator[list[str]]:
+def work_router(server, tiny_gpt2_dir: Path) -> list[str]:
     """The engine deployment routed with load_unit: work, for handles made from now on
-    (Callers: the ingress's handle keeps the router it made); its replica ids. The request
-    router again afterwards. Once for the module's tests in work, the last in the file: each
-    redeploy restarts both engine replicas (~20 s)."""
+    (Callers: the ingress's handle keeps the router it made); its replica ids. Once for the
+    module's tests in work, the last in the file: each redeploy restarts both engine replicas
+    (~20 s), and pytest would put the request router back only at the module's end, where no
+    test is left to use it."""
     redeploy(tiny_gpt2_dir, 2, WORK_ROUTER)
-    try:
-        yield wait_for_replicas(2)
-    finally:
-        redeploy(tiny_gpt2_dir, 2, ROUTER)
+    return wait_for_replicas(2)
 
 
 def prompt_homed_on(rng: random.Random, replica_ids: list[str], home: str, num_tokens: int) -> list[int]:
