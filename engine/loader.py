@@ -96,7 +96,7 @@ def check_weights_mode(weights: str) -> None:
 def load_state_dict(files: Sequence[Path]) -> dict[str, torch.Tensor]:
     """Tensors under their stored (Hugging Face) names, with or without a "transformer." prefix."""
     # Imported here: the tokenizer replicas load only tokenizers from this module, and
-    # torch is most of what a replica imports before it can start (~1.3 s of CPU).
+    # torch is most of what a replica would otherwise import before it can start.
     import torch
     from safetensors.torch import load_file
 
@@ -115,7 +115,7 @@ def load_tokenizer(model: str) -> transformers.PreTrainedTokenizerBase:
     if directory is not None and _names_gpt2_tokenizer(directory):
         # The class itself where the files name it: AutoTokenizer imports transformers'
         # model configs and with them torch, which a tokenizer replica has no use for
-        # (BENCHMARKS.md, session 34: ~190 MB and ~1.5 s of CPU at each start).
+        # (BENCHMARKS.md, session 34: half its memory, and a quicker start).
         return transformers.GPT2Tokenizer.from_pretrained(directory)
     if directory is not None:
         return transformers.AutoTokenizer.from_pretrained(directory)

@@ -101,7 +101,8 @@ def running_app(app: serve.Application, name: str = "rayinfer", **ray_init_kwarg
     """A fresh local Ray (2 CPUs) serving `app` at / on a free 127.0.0.1 port; yields its
     base URL, then shuts Ray down and checks that every Ray process exited. Without
     serve.shutdown() first: its graceful pass (tested where it is the spec: test_serve_run's
-    Ctrl-C, test_reliability's app deletion) took ~5 s of every module's teardown."""
+    Ctrl-C, test_reliability's app deletion) was most of every module's teardown (BENCHMARKS.md,
+    session 34)."""
     port = free_port()
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, **ray_init_kwargs)
     # gcs_server and raylet are our children; every worker is the raylet's.

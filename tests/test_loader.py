@@ -4,12 +4,15 @@ import json
 import logging
 import shutil
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import huggingface_hub
 import pytest
 import torch
+import transformers
 
 from engine.loader import hub_is_reachable, load_state_dict, load_tokenizer, resolve_model
 
@@ -147,3 +150,20 @@ def test_local_dir_tokenizer_is_the_saved_one(marked_model_dir: Path, gpt2_token
     tokenizer = load_tokenizer(str(marked_model_dir))
     assert tokenizer(text)["input_ids"] == gpt2_tokenizer(text)["input_ids"]
     assert has_marker(tokenizer) and not has_marker(gpt2_tokenizer)
+
+
+def test_a_gpt2_tokenizer_loads_by_its_class_as_auto_tokenizer_would(marked_model_dir: Path) -> None:
+    text = f"Hello world, 你好 😀<|endoftext|> {MARKER} again"
+    ours, auto = load_tokenizer(str(marked_model_dir)), transformers.AutoTokenizer.from_pretrained(marked_model_dir)
+    assert type(ours) is type(auto)
+    assert ours(text)["input_ids"] == auto(text)["input_ids"]
+    assert (len(ours), ours.eos_token_id, ours.model_max_length) == (len(auto), auto.eos_token_id, auto.model_max_length)
+
+
+def test_loading_a_gpt2_tokenizer_imports_no_torch(marked_model_dir: Path) -> None:
+    """What lets a tokenizer replica start without torch (tests/test_serve_api.py checks the replicas)."""
+    code = f"import sys; from engine.loader import load_tokenizer; load_tokenizer({str(marked_model_dir)!r}); " \
+           "print(sorted(m for m in ('torch', 'engine.llm_engine') if m in sys.modules))"
+    result = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1],
+                            capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"
