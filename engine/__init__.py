@@ -54,19 +54,4 @@ def __getattr__(name: str):
     return getattr(importlib.import_module(_HOMES[name]), name)
 
 
-__all__ = [
-    "LLM",
-    "AsyncEngine",
-    "ChunkTimings",
-    "CompletionOutput",
-    "EngineConfig",
-    "EngineDeadError",
-    "EngineOverloadedError",
-    "EngineStats",
-    "GenerationChunk",
-    "LLMEngine",
-    "ModelInfo",
-    "SamplingParams",
-    "TokenLogprob",
-    "select_best",
-]
+__all__ = list(_HOMES)

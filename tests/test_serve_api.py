@@ -56,8 +56,8 @@ def test_the_routes_run_where_the_ingress_arg_puts_them(base_url: str, ingress: 
     assert httpx.get(f"{base_url}/health", timeout=30).json()["status"] == "ok"
 
 
-def torch_libraries(pid: int) -> set[str]:
-    return {Path(m.path).name for m in psutil.Process(pid).memory_maps() if "/torch/" in m.path}
+def torch_libraries(process: psutil.Process) -> set[str]:
+    return {Path(m.path).name for m in process.memory_maps() if "/torch/" in m.path}
 
 
 def test_the_replicas_that_never_run_the_model_never_load_torch(base_url: str, ingress: str) -> None:
@@ -65,8 +65,8 @@ def test_the_replicas_that_never_run_the_model_never_load_torch(base_url: str, i
     light = ["TokenizerDeployment"] + (["Ingress"] if ingress == "deployment" else [])
     processes = [p for deployment in light for p in replica_processes(deployment, APP)]
     assert len(processes) == len(light) + 1  # two tokenizer replicas
-    assert "libtorch_cpu.so" in torch_libraries(replica_process("EngineDeployment", APP).pid)
-    assert {p.pid: torch_libraries(p.pid) for p in processes} == {p.pid: set() for p in processes}
+    assert "libtorch_cpu.so" in torch_libraries(replica_process("EngineDeployment", APP))
+    assert {p.pid: torch_libraries(p) for p in processes} == {p.pid: set() for p in processes}
 
 
 def test_sse_stream_sends_token_chunks_then_usage_then_done(http: httpx.Client) -> None:
