@@ -10,7 +10,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -96,24 +96,64 @@ def wait_for_exit(pids: list[int], timeout_s: float = 20) -> list[int]:
     return alive
 
 
+def descendants() -> list[psutil.Process]:
+    return psutil.Process().children(recursive=True)
+
+
+def reap(started: list[psutil.Process], timeout_s: float = 20) -> list[str]:
+    """Waits for `started` to exit, kills by PID those that don't (psutil refuses a PID the
+    kernel has since reused), and names them."""
+    outlived = [p for p in started if p.pid in wait_for_exit([p.pid for p in started], timeout_s)]
+    names = []
+    for process in outlived:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            names.append(f"{process.pid} {' '.join(process.cmdline())[:120]}")
+            process.kill()
+    return names
+
+
+@contextlib.contextmanager
+def reaped(shutdown: Callable[[], None], what: str) -> Iterator[None]:
+    """Runs the block, then `shutdown`; afterwards every process started meanwhile (Ray's
+    gcs_server, raylet, agents and workers: all this process's descendants, gathered before
+    the shutdown orphans the workers) must exit. Those that don't are killed, so a leak or a
+    half-done `ray.init` can't fail the modules after it as well (a CI run did: its stuck
+    raylet's gcs_server outlived every later module's check)."""
+    before = {p.pid for p in descendants()}
+    try:
+        yield
+    finally:
+        started = [p for p in descendants() if p.pid not in before]
+        try:
+            shutdown()
+        finally:
+            outlived = reap(started)
+    assert outlived == [], f"processes outlived {what}: {outlived}"
+
+
+def shut_serve_and_ray() -> None:
+    try:
+        # serve.shutdown() also ends the driver's Serve client and handle threads: left
+        # running past ray.shutdown() they were live when the next ray.init forked its
+        # raylet (a CI run's raylet never started). Only with Ray up: without, Serve would
+        # start a cluster to shut down.
+        if ray.is_initialized():
+            with contextlib.suppress(Exception):
+                serve.shutdown()
+    finally:
+        ray.shutdown()
+
+
 @contextlib.contextmanager
 def running_app(app: serve.Application, name: str = "rayinfer", **ray_init_kwargs) -> Iterator[str]:
     """A fresh local Ray (2 CPUs) serving `app` at / on a free 127.0.0.1 port; yields its
-    base URL, then shuts Ray down and checks that every Ray process exited. Without
-    serve.shutdown() first: its graceful pass (tested where it is the spec: test_serve_run's
-    Ctrl-C, test_reliability's app deletion) was most of every module's teardown (BENCHMARKS.md,
-    session 34)."""
+    base URL, then shuts Serve and Ray down and checks that every process they started exited."""
     port = free_port()
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, **ray_init_kwargs)
-    # gcs_server and raylet are our children; every worker is the raylet's.
-    ray_pids = [p.pid for p in psutil.Process().children(recursive=True)]
-    try:
+    with reaped(shut_serve_and_ray, "serve.shutdown() and ray.shutdown()"):
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, **ray_init_kwargs)
         serve.start(http_options={"host": "127.0.0.1", "port": port}, controller_options=CONTROLLER_OPTIONS)
         serve.run(app, name=name, route_prefix="/")
         yield f"http://127.0.0.1:{port}"
-    finally:
-        ray.shutdown()
-    assert wait_for_exit(ray_pids) == [], "Ray processes outlived ray.shutdown()"
 
 
 def serve_executable() -> str:

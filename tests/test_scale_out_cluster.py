@@ -13,7 +13,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
-import psutil
 import pytest
 import ray
 from ray import serve
@@ -21,7 +20,7 @@ from ray.cluster_utils import Cluster
 
 from deployments.app import make_app
 from deployments.prefix_routing import prefix_key, rendezvous_order
-from tests.serve_helpers import CONTROLLER_OPTIONS, free_port, running_app, wait_for_exit
+from tests.serve_helpers import CONTROLLER_OPTIONS, free_port, reaped, running_app, shut_serve_and_ray
 from tests.test_scale_out import (APP, BLOCK, KEY_BLOCKS, ROUTER, app_args, complete, engine_replicas,
                                   new_requests, random_prompt, served)
 
@@ -80,18 +79,18 @@ def test_a_burst_scales_the_engine_up_and_quiet_scales_it_down_without_a_failed_
 def two_node_cluster() -> Iterator[Cluster]:
     """A head and a worker node of 2 CPUs each, as `ray start --head` and `ray start
     --address` make them; every process they started has exited afterwards."""
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
-    try:
-        cluster.add_node(num_cpus=2)
-        ray.init(address=cluster.address, log_to_driver=False)
-        yield cluster
-    finally:
-        pids = [p.pid for p in psutil.Process().children(recursive=True)]
-        with contextlib.suppress(Exception):
-            serve.shutdown()
-        ray.shutdown()
-        cluster.shutdown()
-        assert wait_for_exit(pids) == [], "Ray processes outlived the cluster"
+    clusters: list[Cluster] = []
+
+    def shutdown() -> None:
+        shut_serve_and_ray()
+        for cluster in clusters:
+            cluster.shutdown()
+
+    with reaped(shutdown, "the cluster"):
+        clusters.append(Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False}))
+        clusters[0].add_node(num_cpus=2)
+        ray.init(address=clusters[0].address, log_to_driver=False)
+        yield clusters[0]
 
 
 def test_two_nodes_serve_over_http_with_an_engine_replica_on_each(tiny_gpt2_dir: Path):
