@@ -113,7 +113,7 @@ def reap(started: list[psutil.Process], timeout_s: float = 20) -> list[str]:
 
 
 @contextlib.contextmanager
-def reaped(shutdown: Callable[[], None], what: str) -> Iterator[None]:
+def reaped(shutdown: Callable[[], None], what: str, timeout_s: float = 20) -> Iterator[None]:
     """Runs the block, then `shutdown`; afterwards every process started meanwhile (Ray's
     gcs_server, raylet, agents and workers: all this process's descendants, gathered before
     the shutdown orphans the workers) must exit. Those that don't are killed, so a leak or a
@@ -127,7 +127,7 @@ def reaped(shutdown: Callable[[], None], what: str) -> Iterator[None]:
         try:
             shutdown()
         finally:
-            outlived = reap(started)
+            outlived = reap(started, timeout_s)
     assert outlived == [], f"processes outlived {what}: {outlived}"
 
 
