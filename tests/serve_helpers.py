@@ -133,9 +133,9 @@ def reaped(shutdown: Callable[[], None], what: str, timeout_s: float = 20) -> It
 
 def shut_serve_and_ray() -> None:
     try:
-        # serve.shutdown() also ends the driver's Serve client and handle threads: left
-        # running past ray.shutdown() they were live when the next ray.init forked its
-        # raylet (a CI run's raylet never started). Only with Ray up: without, Serve would
+        # Serve's graceful pass first, as every passing CI run before 2cd89c0 had it: the
+        # one run with ray.shutdown() alone had a later module's raylet never start, cause
+        # not found (BENCHMARKS.md, session 35). Only with Ray up: without, Serve would
         # start a cluster to shut down.
         if ray.is_initialized():
             with contextlib.suppress(Exception):
