@@ -117,8 +117,8 @@ def reaped(shutdown: Callable[[], None], what: str, timeout_s: float = 20) -> It
     """Runs the block, then `shutdown`; afterwards every process started meanwhile (Ray's
     gcs_server, raylet, agents and workers: all this process's descendants, gathered before
     the shutdown orphans the workers) must exit. Those that don't are killed, so a leak or a
-    half-done `ray.init` can't fail the modules after it as well (a CI run did: its stuck
-    raylet's gcs_server outlived every later module's check)."""
+    half-done `ray.init` can't fail the modules after it as well (a CI run's did: the
+    gcs_server of an init whose raylet never came up outlived every later module's check)."""
     before = {p.pid for p in descendants()}
     try:
         yield
