@@ -136,8 +136,8 @@ def shut_serve_and_ray() -> None:
         # Serve's graceful pass first, as every passing CI run before 2cd89c0 had it: the
         # one run with ray.shutdown() alone had a later module's raylet never start. Without
         # it, more of gRPC's threads stayed at work in this process, the one every later
-        # ray.init forks from (BENCHMARKS.md, session 35). Only with Ray up:
-        # without, Serve would start a cluster to shut down.
+        # ray.init forks from (BENCHMARKS.md, session 35). Only with Ray up: without,
+        # Serve would start a cluster to shut down.
         if ray.is_initialized():
             with contextlib.suppress(Exception):
                 serve.shutdown()
@@ -172,7 +172,7 @@ class ServeRun:
             self.proc = subprocess.Popen([serve_executable(), "run", "--address", "local", str(config)],
                                          cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
                                          preexec_fn=serve_process.restore_sigint)  # also under `.ci/run &`
-        self._descendants: list[int] = []
+        self._descendants: list[psutil.Process] = []
 
     def wait_until_ready(self, url: str) -> None:
         """Until GET url answers 200, failing at once if serve run exits."""
@@ -190,22 +190,20 @@ class ServeRun:
         self._descendants = self._children()
         self.proc.send_signal(signal.SIGINT)
         assert self.proc.wait(timeout=timeout_s) == 0, self.log_tail()
-        assert wait_for_exit(self._descendants) == [], "Ray processes outlived serve run"
+        assert wait_for_exit([p.pid for p in self._descendants]) == [], "Ray processes outlived serve run"
 
     def kill_leftovers(self) -> None:
         """After a failure: kill what this serve run started, by PID, and nothing else."""
         if self.proc.poll() is None:
             self._descendants = self._children()
             self.proc.kill()
-        for pid in wait_for_exit(self._descendants, timeout_s=0):
-            with contextlib.suppress(psutil.NoSuchProcess):
-                psutil.Process(pid).kill()
+        reap(self._descendants, timeout_s=0)
 
     def log_tail(self) -> str:
         return self.log.read_text()[-4000:]
 
-    def _children(self) -> list[int]:
-        return [p.pid for p in psutil.Process(self.proc.pid).children(recursive=True)]
+    def _children(self) -> list[psutil.Process]:
+        return psutil.Process(self.proc.pid).children(recursive=True)
 
 
 @contextlib.contextmanager
