@@ -11,7 +11,9 @@ whose model is the checkpoint, measures it and stops it; then starts vLLM's serv
 venv (loadtest/vllm_peer.py), measures it, stops it, and runs vLLM's offline
 `LLM.generate`. One server is up at a time, and each step waits for an idle machine.
 Without vLLM installed, only rayinfer's rows are filled. `--app-args` and `--engine-env`
-change the rayinfer app's config, to measure one design against another.
+change the rayinfer app's config, to measure one design against another. `--rounds N`
+measures both servers N times, vLLM first in every other round, and opens the report with
+issue 15's goals round by round and their medians (loadtest/peer_goals.py).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import yaml
 from loadtest.http_target import BenchConfig, Target, run_benchmark
 from loadtest.results import BenchResult, percentile
 from loadtest import serve_process
+from loadtest.peer_goals import goals_table
 from loadtest.workload import Workload
 from loadtest.cpu_usage import ProcessCpu, cpu_since, cpu_snapshot, cpu_table, settle
 from loadtest.machine import machine_line, utc_now
@@ -218,6 +221,13 @@ def _line(name: str, ours: BenchResult | None, theirs: BenchResult | None,
     return f"| {name} | {show(a)} | {show(b)} | {ratio} |"
 
 
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return value
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", type=Path, required=True, help="a model directory both servers load")
@@ -236,24 +246,42 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="more flags for vLLM's server, e.g. '--stream-interval 8' (tokens a chunk)")
     parser.add_argument("--skip-vllm", action="store_true", help="rayinfer's rows only")
     parser.add_argument("--skip-rayinfer", action="store_true", help="vLLM's rows only")
+    parser.add_argument("--rounds", type=positive_int, default=1,
+                        help="measure both servers this many times, alternating which goes first")
     parser.add_argument("--out", type=Path, default=None, help="directory for peers.json and peers.md")
     return parser.parse_args(argv)
+
+
+def measure_round(args: argparse.Namespace, workload: TableWorkload, index: int) -> TableRun:
+    """Both servers once; vLLM goes first in odd rounds, so the machine's drift falls on both."""
+    cpu: dict[str, tuple[float, list[ProcessCpu]]] = {}
+    started = utc_now()
+    rows = {"rayinfer": ServerRows(), "vllm": ServerRows()}
+    steps = [("rayinfer", args.skip_rayinfer, run_rayinfer), ("vllm", args.skip_vllm, run_vllm)]
+    for name, skip, run in steps[::-1] if index % 2 else steps:
+        if not skip:
+            rows[name] = run(args, workload, cpu)
+    return TableRun(workload, rows["rayinfer"], rows["vllm"], cpu, args.dtype, machine_line(started, utc_now()))
+
+
+def report(runs: list[TableRun]) -> str:
+    """Issue 15's goals over the rounds, then each round's table."""
+    parts = ["Issue 15's goals, rayinfer / vLLM (bold: met):", "", goals_table(runs)]
+    parts += [f"\n## Round {i + 1}\n\n{table(run)}" for i, run in enumerate(runs)]
+    return "\n".join(parts)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     workload = TableWorkload(args.streams, args.prompt_tokens, args.max_tokens)
-    cpu: dict[str, tuple[float, list[ProcessCpu]]] = {}
-    started = utc_now()
-    rayinfer = ServerRows() if args.skip_rayinfer else run_rayinfer(args, workload, cpu)
-    vllm = ServerRows() if args.skip_vllm else run_vllm(args, workload, cpu)
-    run = TableRun(workload, rayinfer, vllm, cpu, args.dtype, machine_line(started, utc_now()))
-    report = table(run)
-    print(report)
+    runs = [measure_round(args, workload, i) for i in range(args.rounds)]
+    text = report(runs)
+    print(text)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "peers.md").write_text(report + "\n", encoding="utf-8")
-        (args.out / "peers.json").write_text(json.dumps(asdict(run), indent=2, default=str) + "\n", encoding="utf-8")
+        (args.out / "peers.md").write_text(text + "\n", encoding="utf-8")
+        body = {"rounds": [asdict(run) for run in runs]}
+        (args.out / "peers.json").write_text(json.dumps(body, indent=2, default=str) + "\n", encoding="utf-8")
     return 0
 
 
