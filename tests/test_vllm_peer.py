@@ -154,3 +154,10 @@ def test_vllm_serves_and_runs_offline_the_same_workload(vllm_tiny_dir: Path) -> 
     assert (result.successes, result.total_output_tokens) == (2, 8), result.errors
     offline = run_vllm_offline_target(vllm_tiny_dir, workload, dtype="float32", enforce_eager=True)
     assert offline.total_output_tokens == 8 and offline.output_throughput > 0
+
+
+def test_the_peer_table_measures_one_round_unless_asked_and_refuses_fewer_than_one(tmp_path: Path) -> None:
+    assert parse_args(["--checkpoint", str(tmp_path)]).rounds == 1
+    assert parse_args(["--checkpoint", str(tmp_path), "--rounds", "3"]).rounds == 3
+    with pytest.raises(SystemExit):
+        parse_args(["--checkpoint", str(tmp_path), "--rounds", "0"])
