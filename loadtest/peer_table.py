@@ -253,7 +253,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def measure_round(args: argparse.Namespace, workload: TableWorkload, index: int) -> TableRun:
-    """Both servers once; vLLM goes first in odd rounds, so the machine's drift falls on both."""
+    """Both servers once; vLLM goes first in the 2nd, 4th, ... round (index odd), so the
+    machine's drift falls on both."""
     cpu: dict[str, tuple[float, list[ProcessCpu]]] = {}
     started = utc_now()
     rows = {"rayinfer": ServerRows(), "vllm": ServerRows()}
