@@ -1,4 +1,9 @@
-"""Engine configuration: one frozen dataclass, validated once at construction."""
+"""Engine configuration: one frozen dataclass, validated once at construction.
+
+Its defaults are the fast, correct path on the machine it runs on, the same for the offline
+`LLM`, an `AsyncEngine` and the served app: configs/*.yaml set only what they change. A test
+or script that wants an engine up at once passes compile_decode=False.
+"""
 
 from __future__ import annotations
 
@@ -41,15 +46,12 @@ class EngineConfig:
     compile_attention: bool = False
     # Decode steps (and short steps with prefill chunks: graph_prefill_tokens) through one
     # torch.compile'd graph of the whole forward with the weights frozen in
-    # (engine/decode_graph.py), on the same linears as the eager steps. The graph compiles while the engine is built (tens of seconds, every
-    # process: freezing keeps it out of inductor's on-disk cache); where it cannot compile,
-    # decode steps stay eager, with a warning. auto: on on CPU, in bf16 and fp32 (BENCHMARKS.md,
-    # "The whole decode forward compiled"; fp32 won only once the graph's attention was our
-    # kernel, "A decode attention of our own"), and on CUDA inside cuda_graphs' graphs. The
-    # sampler's draw (argmax, or softmax and an inverse-CDF draw) compiles with it on CPU, so
-    # a sampled step leaves eager ATen too. Off by default so that tests and scripts start at
-    # once; configs/gpt2.yaml sets auto.
-    compile_decode: bool | Literal["auto"] = False
+    # (engine/decode_graph.py), on the same linears as the eager steps. The graph compiles while
+    # the engine is built (tens of seconds); where it cannot compile, decode steps stay eager,
+    # with a warning. auto: on on CPU, in bf16 and fp32, and on CUDA inside cuda_graphs' graphs.
+    # The sampler's draw (argmax, or softmax and an inverse-CDF draw) compiles with it on CPU, so
+    # a sampled step leaves eager ATen too.
+    compile_decode: bool | Literal["auto"] = "auto"
     # On CUDA, steps of one-token rows (decodes) replayed from CUDA graphs captured before the
     # engine serves, one per bucket of rows and block-table width (engine/cuda_graphs.py);
     # other steps run eagerly. With compile_decode (auto on CUDA: on) the graphs hold the
@@ -98,15 +100,16 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     # Overload bounds on requests admitted but not yet past their first token (queued or
     # prefilling): past either, AsyncEngine.generate raises EngineOverloadedError at once.
-    max_waiting_requests: int | None = None
-    max_waiting_tokens: int | None = None
+    # None: no bound. The defaults hold 32 prompts of 512 tokens; past them a caller gets 429.
+    max_waiting_requests: int | None = 128
+    max_waiting_tokens: int | None = 16384
     num_threads: int | None = None  # torch CPU threads; None = every core this process may use
     # Steps of at most this many tokens (one stream's decodes) run on one torch thread, the
     # rest on num_threads: in a server the other processes on the engine's cores stall a
     # small step's OpenMP barriers more than a second thread speeds it up, in bf16; in fp32,
     # twice the bytes a step, the second thread wins (engine/step_threads.py, BENCHMARKS.md
-    # session 14). 0: every step on num_threads; auto: 1 on CPU in bf16, else 0.
-    one_thread_max_tokens: int | Literal["auto"] = 0
+    # 0: every step on num_threads; auto: 1 on CPU in bf16, else 0.
+    one_thread_max_tokens: int | Literal["auto"] = "auto"
 
     def __post_init__(self) -> None:
         check_weights_mode(self.weights)

@@ -1,9 +1,10 @@
 """Offline throughput benchmark: the engine vs Hugging Face `generate` (static batch), same run.
 
-    python -m loadtest.engine_bench                      # GPT-2-small, random weights, bf16 on CPU
+    python -m loadtest.engine_bench                      # GPT-2-small, random weights, the engine's defaults
     python -m loadtest.engine_bench --num-requests 32 --prompt-len 16 --max-tokens 64 --dtype bfloat16
-    python -m loadtest.engine_bench --device cuda --skip-hf --cuda-graphs false   # vs true, vs true --compile-decode
+    python -m loadtest.engine_bench --device cuda --skip-hf --cuda-graphs false   # vs true, vs --compile-decode false
 
+The engine runs with EngineConfig's defaults (what `LLM(model)` runs) but for the flags given.
 Prints tokens/s for both and the engine's single-request decode latency per token.
 """
 
@@ -90,27 +91,27 @@ def run_hf(model: GPT2LMHeadModel, prompts: list[list[int]], max_tokens: int) ->
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="gpt2")
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--device", default="auto")
     parser.add_argument("--num-requests", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--compile-decode", action="store_true", help="decode steps through the compiled graph")
+    parser.add_argument("--compile-decode", choices=["auto", "true", "false"], default="auto",
+                        help="decode steps through the compiled graph (EngineConfig.compile_decode)")
     parser.add_argument("--cuda-graphs", choices=["auto", "true", "false"], default="auto",
                         help="decode steps replayed from CUDA graphs (EngineConfig.cuda_graphs; auto: on CUDA)")
     parser.add_argument("--skip-hf", action="store_true")
     args = parser.parse_args()
 
     config = EngineConfig(model=args.model, weights="random", dtype=args.dtype, device=args.device,
-                          max_num_seqs=args.max_num_seqs, max_num_batched_tokens=max(512, args.max_num_seqs),
-                          compile_decode=args.compile_decode,
-                          cuda_graphs={"true": True, "false": False}.get(args.cuda_graphs, "auto"))
+                          max_num_seqs=args.max_num_seqs, compile_decode=_flag(args.compile_decode),
+                          cuda_graphs=_flag(args.cuda_graphs))
     engine = LLMEngine(config)
     prompts = make_prompts(args.num_requests, args.prompt_len, engine.model_info.vocab_size)
     run_engine(engine, prompts[:4], 4)  # warm-up
-    print(f"model={args.model} dtype={args.dtype} device={args.device} threads={torch.get_num_threads()} "
-          f"compile_decode={args.compile_decode} cuda_graphs={config.decode_graphed} requests={args.num_requests} prompt_len={args.prompt_len} max_tokens={args.max_tokens}")
+    print(f"model={args.model} dtype={config.torch_dtype} device={config.torch_device} threads={torch.get_num_threads()} "
+          f"compile_decode={engine.runner.decode_graph is not None} cuda_graphs={config.decode_graphed} requests={args.num_requests} prompt_len={args.prompt_len} max_tokens={args.max_tokens}")
     results = [run_engine(engine, prompts, args.max_tokens)]
     single = decode_ms_per_token(engine, prompts[0], args.max_tokens)
     if not args.skip_hf:
@@ -122,6 +123,10 @@ def main() -> None:
     if len(results) == 2:
         print(f"speedup vs HF static batch: {results[0].tokens_per_s / results[1].tokens_per_s:.2f}x")
     print(f"single-request decode: {single:.2f} ms/token")
+
+
+def _flag(value: str) -> bool | str:
+    return {"true": True, "false": False}.get(value, value)
 
 
 if __name__ == "__main__":

@@ -49,8 +49,11 @@ def free_port() -> int:
 
 
 def tiny_app_args(model_dir: Path, **overrides: Any) -> dict[str, Any]:
-    """build_app's arguments for the tiny checkpoint in fp32, served as MODEL."""
-    return {"model": str(model_dir), "served_model_name": MODEL, "dtype": "float32", **overrides}
+    """build_app's arguments for the tiny checkpoint in fp32, served as MODEL, its steps
+    eager (compile_decode: false) so the app is up at once: test_serve_run serves the
+    shipped config, graph and all."""
+    engine = {"compile_decode": False, **overrides.pop("engine", {})}
+    return {"model": str(model_dir), "served_model_name": MODEL, "dtype": "float32", "engine": engine, **overrides}
 
 
 def is_running(pid: int) -> bool:

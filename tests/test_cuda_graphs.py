@@ -47,7 +47,7 @@ def test_an_engine_on_cpu_refuses_cuda_graphs_true_before_it_loads_weights(tiny_
     from engine import LLM
 
     with pytest.raises(ValueError, match="cuda_graphs: true needs a CUDA device, not cpu"):
-        LLM(str(tiny_gpt2_dir), weights="pretrained", device="cpu", cuda_graphs=True)
+        LLM(str(tiny_gpt2_dir), weights="pretrained", device="cpu", cuda_graphs=True, compile_decode=False)
     with pytest.raises(ValueError, match="cuda_graphs must be true, false or auto"):
         EngineConfig(cuda_graphs="yes")
 

@@ -8,9 +8,11 @@ without compiling."""
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from engine import LLM, EngineConfig, SamplingParams, native, native_attention
 from engine.attention import decode_attention_with_own, write_kv
@@ -65,7 +67,7 @@ def compare(model_dir, dtype: str, reference_linears: str, atol: float, fast_lin
     # (dynamo caches it per function), compiled during construction ...
     assert compiled_at_start - before in (1, 2)
     assert_untouched(fast.engine)  # ... on scratch inputs that leave no trace
-    reference = LLM(str(model_dir), weights="pretrained", dtype=dtype, device="cpu", linears=reference_linears)
+    reference = LLM(str(model_dir), weights="pretrained", dtype=dtype, device="cpu", linears=reference_linears, compile_decode=False)
     prompts = mixed_prompts(6)
     assert_alone_and_together_close(fast, reference, prompts, atol)
     sampled = fast.generate(prompts[:3], SamplingParams(max_tokens=8, temperature=0.8, seed=1, ignore_eos=True))
@@ -136,7 +138,7 @@ def test_steps_with_short_prefill_chunks_take_the_graph_and_match_the_reference_
     fast = LLM(str(tiny_gpt2_dir), compile_decode=True, **config)
     compiled = num_compiled_graphs()
     steps = record_steps(fast.engine)
-    reference = LLM(str(tiny_gpt2_dir), linears="reference", **config)
+    reference = LLM(str(tiny_gpt2_dir), linears="reference", **config, compile_decode=False)
     prompts = mixed_prompts(12)  # 1 to 120 tokens
     prompts.append(prompts[7][:96] + [11, 12, 13])  # shares six blocks with the 120-token prompt
     ours = fast.generate(prompts[:12], GREEDY_TOP5) + fast.generate(prompts[12:], GREEDY_TOP5)
@@ -169,7 +171,7 @@ def test_by_default_a_wave_of_prompts_takes_the_graph_in_steps_of_up_to_128_toke
     steps = record_steps(fast.engine)
     prompts = mixed_prompts(12)  # 406 tokens in all
     ours = fast.generate(prompts, GREEDY_TOP5)
-    expected = LLM(str(tiny_gpt2_dir), linears=reference_linears, **config).generate(prompts, GREEDY_TOP5)
+    expected = LLM(str(tiny_gpt2_dir), linears=reference_linears, **config, compile_decode=False).generate(prompts, GREEDY_TOP5)
     for fast_output, reference_output in zip(ours, expected):
         assert_logprobs_close(fast_output, reference_output, atol)
     assert fast.engine.runner.decode_graph.num_steps == len(steps)  # every step took the graph
@@ -185,7 +187,7 @@ def test_the_step_budget_on_auto_is_the_graphs_bound_on_cpu_and_512_without_the_
     assert EngineConfig(graph_prefill_tokens=0).step_tokens(cpu_graph=True) == 512
     assert EngineConfig(max_num_seqs=600).step_tokens(cpu_graph=False) == 600  # every sequence decodes each step
     assert EngineConfig(max_num_batched_tokens=300).step_tokens(cpu_graph=True) == 300
-    no_graph = LLM(str(tiny_gpt2_dir), weights="pretrained", device="cpu")
+    no_graph = LLM(str(tiny_gpt2_dir), weights="pretrained", device="cpu", compile_decode=False)
     assert no_graph.engine.scheduler.max_num_batched_tokens == 512
     with pytest.raises(ValueError, match="max_num_batched_tokens must be a positive integer"):
         EngineConfig(max_num_batched_tokens="all")
@@ -209,7 +211,7 @@ def test_one_thread_steps_take_a_variant_compiled_with_the_engine(tiny_gpt2_dir,
     ours = fast.generate([prompt], GREEDY_TOP5)
     assert fast.engine.runner.decode_graph.num_steps == len(steps) == 16
     assert num_compiled_graphs() == graphs
-    reference = LLM(str(tiny_gpt2_dir), weights="pretrained", dtype="float32", device="cpu", linears="reference")
+    reference = LLM(str(tiny_gpt2_dir), weights="pretrained", dtype="float32", device="cpu", linears="reference", compile_decode=False)
     assert_logprobs_close(ours[0], reference.generate([prompt], GREEDY_TOP5)[0], atol=1e-3)
 
 
@@ -236,7 +238,7 @@ def test_a_graph_that_cannot_compile_leaves_decode_steps_eager(tiny_gpt2_dir, mo
     assert fast.engine.runner.decode_graph is None
     assert "decode steps run eagerly" in caplog.text
     assert fast.engine.scheduler.max_num_batched_tokens == 512  # the budget of eager steps
-    reference = LLM(str(tiny_gpt2_dir), weights="pretrained", dtype="float32", device="cpu", linears="reference")
+    reference = LLM(str(tiny_gpt2_dir), weights="pretrained", dtype="float32", device="cpu", linears="reference", compile_decode=False)
     prompts = mixed_prompts(3)
     assert [o.token_ids for o in fast.generate(prompts, GREEDY_TOP5)] == \
         [o.token_ids for o in reference.generate(prompts, GREEDY_TOP5)]
@@ -255,7 +257,7 @@ def test_a_draw_that_cannot_compile_runs_eagerly_beside_the_graph(tiny_gpt2_dir,
     fast = LLM(str(tiny_gpt2_dir), compile_decode=True, **config)
     assert fast.engine.runner.decode_graph is not None and not fast.engine.runner.sampler.is_compiled
     assert "the sampler's draw did not compile" in caplog.text
-    reference = LLM(str(tiny_gpt2_dir), **config)
+    reference = LLM(str(tiny_gpt2_dir), **config, compile_decode=False)
     prompts = mixed_prompts(3)
     sampled = SamplingParams(max_tokens=8, temperature=0.8, seed=1, ignore_eos=True)
     for params in (GREEDY_TOP5, sampled):
@@ -281,7 +283,18 @@ def test_compile_decode_auto_compiles_on_cpu_in_both_dtypes():
     assert EngineConfig(dtype="bfloat16", device="cpu", compile_decode="auto").decode_compiled
     assert EngineConfig(dtype="float32", device="cpu", compile_decode="auto").decode_compiled
     assert EngineConfig(dtype="float32", device="cpu", compile_decode=True).decode_compiled
-    assert not EngineConfig(dtype="bfloat16", device="cpu").decode_compiled
+    assert not EngineConfig(dtype="bfloat16", device="cpu", compile_decode=False).decode_compiled
+
+
+def test_the_defaults_are_the_shipped_fast_path():
+    """EngineConfig(), and so LLM(model), runs what configs/gpt2.yaml serves: the file sets no
+    engine field, and the defaults compile the decode graph and bound the waiting line."""
+    default = EngineConfig(device="cpu")
+    assert default.decode_compiled and default.compile_decode == "auto"
+    assert default.one_thread_max_tokens == "auto" and default.cuda_graphs == "auto"
+    assert (default.max_waiting_requests, default.max_waiting_tokens) == (128, 16384)
+    shipped = yaml.safe_load((Path(__file__).resolve().parents[1] / "configs" / "gpt2.yaml").read_text())
+    assert shipped["applications"][0]["args"]["engine"] == {}
     with pytest.raises(ValueError, match="compile_decode must be true, false or auto"):
         EngineConfig(compile_decode="yes")
     with pytest.raises(ValueError, match="decode_attention must be auto, native or torch"):

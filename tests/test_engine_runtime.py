@@ -15,7 +15,7 @@ from deployments.engine_runtime import REPLICA_DEFAULTS, engine_env_vars, resolv
 from deployments.ingress import ON_REPLICA_LOOP
 from tests.serve_helpers import replica_process, running_app
 
-ENGINE_ARGS = {"num_kv_blocks": 48, "max_num_seqs": 8, "max_num_batched_tokens": 128}
+ENGINE_ARGS = {"num_kv_blocks": 48, "max_num_seqs": 8, "max_num_batched_tokens": 128, "compile_decode": False}
 
 
 def test_a_library_path_resolves_to_itself_and_a_missing_one_to_none(tmp_path: Path) -> None:

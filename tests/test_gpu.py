@@ -38,7 +38,7 @@ def assert_matches_hf(llm: LLM, hf, prompts: list[list[int]]) -> None:
 
 @pytest.mark.parametrize("cuda_graphs", [False, True])
 def test_cuda_greedy_matches_hf_on_cpu_in_fp32(tiny_gpt2_dir, cuda_graphs: bool):
-    llm = LLM(str(tiny_gpt2_dir), weights="pretrained", dtype="float32", device="cuda", cuda_graphs=cuda_graphs)
+    llm = LLM(str(tiny_gpt2_dir), weights="pretrained", dtype="float32", device="cuda", cuda_graphs=cuda_graphs, compile_decode=False)
     assert llm.engine.model_info.device.startswith("cuda")
     assert isinstance(llm.engine.runner.decode_graph, CudaGraphDecode) is cuda_graphs
     assert_matches_hf(llm, hf_model(tiny_gpt2_dir), mixed_prompts(8))
@@ -65,7 +65,7 @@ def test_cuda_graphs_match_the_eager_path(tiny_gpt2_dir, dtype: str, atol: float
     num_graphs = len(graphs.rows) * len(graphs.widths)
     assert graphs.num_graphs == num_graphs
     steps = record_steps(graphed.engine)
-    eager = LLM(str(tiny_gpt2_dir), cuda_graphs=False, **config)
+    eager = LLM(str(tiny_gpt2_dir), cuda_graphs=False, **config, compile_decode=False)
     assert eager.engine.runner.decode_graph is None
     prompts = mixed_prompts(12)
     assert_alone_and_together_close(graphed, eager, prompts, atol)
@@ -82,7 +82,7 @@ def test_cuda_prefix_hits_chunks_and_preemption_match_hf(tiny_gpt2_dir):
     # are preempted and recomputed, long prompts prefilled in chunks beside decodes.
     hf = hf_model(tiny_gpt2_dir)
     llm = LLM(str(tiny_gpt2_dir), weights="pretrained", dtype="float32", device="cuda",
-              num_kv_blocks=12, max_num_batched_tokens=32, max_num_seqs=8)
+              num_kv_blocks=12, max_num_batched_tokens=32, max_num_seqs=8, compile_decode=False)
     assert_matches_hf(llm, hf, [p for p in mixed_prompts(12) if len(p) + 16 <= 12 * 16][:8])
     assert llm.engine.stats().num_preemptions > 0
     assert_matches_hf(llm, hf, shared_prefix_prompts()[:1])
@@ -99,7 +99,7 @@ def test_cuda_compiled_graph_matches_the_eager_path(tiny_gpt2_dir, dtype: str, a
     assert fast.engine.runner.decode_graph.attention is decode_attention_with_own  # auto on CUDA
     compiled = num_compiled_graphs()
     steps = record_steps(fast.engine)
-    eager = LLM(str(tiny_gpt2_dir), cuda_graphs=False, **config)
+    eager = LLM(str(tiny_gpt2_dir), cuda_graphs=False, **config, compile_decode=False)
     prompts = mixed_prompts(12)
     assert_alone_and_together_close(fast, eager, prompts, atol)
     sampled = fast.generate(prompts[:3], SamplingParams(max_tokens=8, temperature=0.8, seed=1, ignore_eos=True))
@@ -110,7 +110,7 @@ def test_cuda_compiled_graph_matches_the_eager_path(tiny_gpt2_dir, dtype: str, a
 
 
 def test_cuda_auto_dtype_and_seeded_sampling(tiny_gpt2_dir):
-    llm = LLM(str(tiny_gpt2_dir), weights="pretrained", device="auto")
+    llm = LLM(str(tiny_gpt2_dir), weights="pretrained", device="auto", compile_decode=False)
     assert llm.engine.model_info.dtype in ("bfloat16", "float16")
     params = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=7, ignore_eos=True)
     alone = llm.generate([[1, 2, 3]], params)[0].token_ids

@@ -26,7 +26,7 @@ def llm(tiny_gpt2_dir) -> LLM:
 
 
 def make_llm(model_dir, **config) -> LLM:
-    return LLM(str(model_dir), weights="pretrained", dtype="float32", device="cpu", **config)
+    return LLM(str(model_dir), weights="pretrained", dtype="float32", device="cpu", **config, compile_decode=False)
 
 
 def hf_log_softmax(model, token_ids: list[int]) -> torch.Tensor:
@@ -182,7 +182,7 @@ def test_invalid_logprob_counts_are_rejected_naming_the_field(field, value):
 
 
 def test_the_async_stream_carries_logprobs_per_token_and_prompt_logprobs_once(tiny_gpt2_dir, hf_fp32):
-    engine = AsyncEngine(EngineConfig(model=str(tiny_gpt2_dir), weights="pretrained", dtype="float32", device="cpu"),
+    engine = AsyncEngine(EngineConfig(model=str(tiny_gpt2_dir), weights="pretrained", dtype="float32", device="cpu", compile_decode=False),
                          max_chunks_per_s=None)
     prompt = mixed_prompts(4)[3]
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2, prompt_logprobs=2)

@@ -93,9 +93,9 @@ def test_the_kernel_rejects_what_it_cannot_run(kernel):
 
 
 def test_an_engine_samples_with_the_kernel_by_default_on_cpu(tiny_gpt2_dir):
-    llm = LLM(str(tiny_gpt2_dir), weights="pretrained", dtype="float32", device="cpu")
+    llm = LLM(str(tiny_gpt2_dir), weights="pretrained", dtype="float32", device="cpu", compile_decode=False)
     assert llm.engine.runner.sampler.native is torch.ops.rayinfer.draw
-    torch_ops = LLM(str(tiny_gpt2_dir), weights="pretrained", dtype="float32", device="cpu", sampler="torch")
+    torch_ops = LLM(str(tiny_gpt2_dir), weights="pretrained", dtype="float32", device="cpu", sampler="torch", compile_decode=False)
     assert torch_ops.engine.runner.sampler.native is None
     # A seeded request draws the same tokens through either: one uniform per row, one CDF.
     params = SamplingParams(max_tokens=12, temperature=0.9, seed=7, ignore_eos=True)
@@ -108,12 +108,12 @@ def test_a_kernel_that_cannot_build_leaves_the_draw_on_torch(tiny_gpt2_dir, monk
 
     monkeypatch.setattr(native, "load", no_ninja)
     with caplog.at_level(logging.WARNING):
-        llm = LLM(str(tiny_gpt2_dir), weights="pretrained", dtype="float32", device="cpu")
+        llm = LLM(str(tiny_gpt2_dir), weights="pretrained", dtype="float32", device="cpu", compile_decode=False)
     assert llm.engine.runner.sampler.native is None
     assert "sampler: our C++ kernel did not build" in caplog.text
     assert len(llm.generate(["Hi"], SamplingParams(max_tokens=4, temperature=1.0, ignore_eos=True))[0].token_ids) == 4
     with pytest.raises(ValueError, match=r"sampler: native: the C\+\+ kernel did not build here"):
-        LLM(str(tiny_gpt2_dir), weights="pretrained", dtype="float32", device="cpu", sampler="native")
+        LLM(str(tiny_gpt2_dir), weights="pretrained", dtype="float32", device="cpu", sampler="native", compile_decode=False)
 
 
 def test_an_unknown_sampler_is_rejected():

@@ -36,7 +36,7 @@ def base_url(tiny_gpt2_dir: Path) -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def offline_llm(tiny_gpt2_dir: Path) -> LLM:
-    return LLM(str(tiny_gpt2_dir), dtype="float32", **ENGINE_ARGS)
+    return LLM(str(tiny_gpt2_dir), dtype="float32", **ENGINE_ARGS, compile_decode=False)
 
 
 @pytest.fixture(scope="module")

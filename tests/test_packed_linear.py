@@ -50,18 +50,18 @@ def test_packed_linear_is_bit_identical_to_f_linear(rows, with_bias):
 
 @needs_bf16_packing
 def test_bf16_engine_packs(tiny_gpt2_dir):
-    bf16 = LLM(str(tiny_gpt2_dir), weights="pretrained", dtype="bfloat16", device="cpu").engine.runner.model
+    bf16 = LLM(str(tiny_gpt2_dir), weights="pretrained", dtype="bfloat16", device="cpu", compile_decode=False).engine.runner.model
     assert isinstance(bf16.lm_head, PackedLinear) and isinstance(bf16.h[0].mlp_fc, PackedLinear)
 
 
 def test_reference_engine_does_not_pack(tiny_gpt2_dir):
     for dtype in ("float32", "bfloat16"):
-        model = LLM(str(tiny_gpt2_dir), weights="pretrained", dtype=dtype, device="cpu", linears="reference").engine.runner.model
+        model = LLM(str(tiny_gpt2_dir), weights="pretrained", dtype=dtype, device="cpu", linears="reference", compile_decode=False).engine.runner.model
         assert model.lm_head is None and isinstance(model.h[0].mlp_fc, torch.nn.Linear)
 
 
 def test_bf16_engine_without_avx512_falls_back_to_f_linear(tiny_gpt2_dir, avx2_only):
-    llm = LLM(str(tiny_gpt2_dir), weights="pretrained", dtype="bfloat16", device="cpu")
+    llm = LLM(str(tiny_gpt2_dir), weights="pretrained", dtype="bfloat16", device="cpu", compile_decode=False)
     model = llm.engine.runner.model
     assert model.lm_head is None and isinstance(model.h[0].mlp_fc, torch.nn.Linear)
     out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
@@ -74,9 +74,9 @@ def test_packed_bf16_engine_generates_the_same_tokens_as_unpacked(tiny_gpt2_dir,
     prompts = mixed_prompts(8)
     # Packing alone: our kernel for one or two rows rounds differently (tests/test_small_linear.py).
     packed = LLM(str(tiny_gpt2_dir), weights="pretrained", dtype="bfloat16", device="cpu",
-                 small_batch_linear="torch").generate(prompts, params)
+                 small_batch_linear="torch", compile_decode=False).generate(prompts, params)
     monkeypatch.setattr(llm_engine, "can_pack", lambda device, dtype: False)
-    unpacked_llm = LLM(str(tiny_gpt2_dir), weights="pretrained", dtype="bfloat16", device="cpu")
+    unpacked_llm = LLM(str(tiny_gpt2_dir), weights="pretrained", dtype="bfloat16", device="cpu", compile_decode=False)
     assert unpacked_llm.engine.runner.model.lm_head is None
     unpacked = unpacked_llm.generate(prompts, params)
     assert [o.token_ids for o in packed] == [o.token_ids for o in unpacked]
@@ -93,14 +93,14 @@ def test_packed_fp32_linear_is_close_to_f_linear(rows):
 
 @needs_fp32_packing
 def test_fp32_engine_packs_on_auto(tiny_gpt2_dir):
-    model = LLM(str(tiny_gpt2_dir), weights="pretrained", dtype="float32", device="cpu").engine.runner.model
+    model = LLM(str(tiny_gpt2_dir), weights="pretrained", dtype="float32", device="cpu", compile_decode=False).engine.runner.model
     assert isinstance(model.lm_head, PackedLinear) and isinstance(model.h[0].attn_qkv, PackedLinear)
 
 
 @needs_fp32_packing
 def test_packed_fp32_engine_agrees_with_reference_to_top5_and_logprobs(tiny_gpt2_dir):
-    fast = LLM(str(tiny_gpt2_dir), weights="pretrained", dtype="float32", device="cpu")
-    reference = LLM(str(tiny_gpt2_dir), weights="pretrained", dtype="float32", device="cpu", linears="reference")
+    fast = LLM(str(tiny_gpt2_dir), weights="pretrained", dtype="float32", device="cpu", compile_decode=False)
+    reference = LLM(str(tiny_gpt2_dir), weights="pretrained", dtype="float32", device="cpu", linears="reference", compile_decode=False)
     for prompt in mixed_prompts(8):
         fast_tokens, fast_lps = greedy_logprobs(fast, prompt, 16)
         ref_tokens, ref_lps = greedy_logprobs(reference, prompt, 16)
@@ -113,7 +113,7 @@ def test_packed_fp32_engine_agrees_with_reference_to_top5_and_logprobs(tiny_gpt2
 
 @needs_fp32_packing
 def test_packed_fp32_engine_batched_matches_its_own_single_runs(tiny_gpt2_dir):
-    llm = LLM(str(tiny_gpt2_dir), weights="pretrained", dtype="float32", device="cpu")
+    llm = LLM(str(tiny_gpt2_dir), weights="pretrained", dtype="float32", device="cpu", compile_decode=False)
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     prompts = mixed_prompts(8)
     batched = [o.token_ids for o in llm.generate(prompts, params)]

@@ -83,7 +83,7 @@ def http_headers() -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def offline(tiny_gpt2_dir: Path) -> LLM:
-    return LLM(str(tiny_gpt2_dir), dtype="float32", **ENGINE_ARGS)
+    return LLM(str(tiny_gpt2_dir), dtype="float32", **ENGINE_ARGS, compile_decode=False)
 
 
 @pytest.fixture(autouse=True)

@@ -14,7 +14,7 @@ from tests.engine_helpers import mixed_prompts
 
 @pytest.fixture(scope="module")
 def llm(tiny_gpt2_dir) -> LLM:
-    return LLM(str(tiny_gpt2_dir), weights="pretrained", dtype="float32", device="cpu")
+    return LLM(str(tiny_gpt2_dir), weights="pretrained", dtype="float32", device="cpu", compile_decode=False)
 
 
 @pytest.mark.parametrize(
@@ -83,7 +83,7 @@ def test_stop_token_ends_with_stop_unless_ignored(llm):
 
 
 def test_eos_ends_with_stop_and_ignore_eos_runs_on(tiny_gpt2_dir):
-    llm = LLM(str(tiny_gpt2_dir), weights="pretrained", dtype="float32", device="cpu")
+    llm = LLM(str(tiny_gpt2_dir), weights="pretrained", dtype="float32", device="cpu", compile_decode=False)
     greedy = llm.generate("Hello", SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))[0].token_ids
     # Random weights rarely pick <|endoftext|>: declare the 4th greedy token the EOS instead.
     llm.engine.eos_token_id = greedy[3]
@@ -112,7 +112,7 @@ def test_prompt_plus_max_tokens_beyond_context_is_rejected(llm):
 
 
 def test_request_larger_than_the_block_pool_is_rejected_at_add(tiny_gpt2_dir):
-    llm = LLM(str(tiny_gpt2_dir), weights="pretrained", dtype="float32", device="cpu", num_kv_blocks=4)
+    llm = LLM(str(tiny_gpt2_dir), weights="pretrained", dtype="float32", device="cpu", num_kv_blocks=4, compile_decode=False)
     with pytest.raises(ValueError, match="KV blocks"):
         llm.engine.add_request("big", [1] * 60, SamplingParams(max_tokens=10))
     assert not llm.engine.has_unfinished_requests()

@@ -25,7 +25,7 @@ def hf_fp32(tiny_gpt2_dir):
 
 @pytest.fixture(scope="module")
 def llm(tiny_gpt2_dir) -> LLM:
-    return LLM(str(tiny_gpt2_dir), weights="pretrained", dtype="float32", device="cpu")
+    return LLM(str(tiny_gpt2_dir), weights="pretrained", dtype="float32", device="cpu", compile_decode=False)
 
 
 def greedy(max_tokens: int = 12, **controls) -> SamplingParams:
@@ -106,7 +106,7 @@ def test_logit_bias_forces_a_token_and_bans_another(llm, hf_fp32):
 
 
 def test_min_tokens_keeps_eos_and_stop_token_ids_from_ending_early(tiny_gpt2_dir, hf_fp32):
-    llm = LLM(str(tiny_gpt2_dir), weights="pretrained", dtype="float32", device="cpu")
+    llm = LLM(str(tiny_gpt2_dir), weights="pretrained", dtype="float32", device="cpu", compile_decode=False)
     prompt = mixed_prompts(3)[2]
     plain = hf_greedy(hf_fp32, prompt, 12)
     eos, stop = plain[2], plain[4]

@@ -135,7 +135,7 @@ def test_chat_template_is_role_lines_ending_with_assistant(http: httpx.Client) -
 
 
 def test_greedy_text_matches_the_offline_llm_on_the_same_weights(http: httpx.Client, tiny_gpt2_dir: Path) -> None:
-    llm = LLM(str(tiny_gpt2_dir), dtype="float32", **ENGINE_ARGS)
+    llm = LLM(str(tiny_gpt2_dir), dtype="float32", **ENGINE_ARGS, compile_decode=False)
     expected = llm.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0))
     for prompt, offline in zip(PROMPTS, expected):
         served = http.post("/v1/completions", json=greedy(prompt, max_tokens=24)).json()
@@ -199,7 +199,7 @@ def test_the_ingress_handles_stream_engine_chunks_over_grpc(base_url: str, tiny_
     response = engine.options(stream=True).generate.remote("grpc-test", prompt_ids, params)
     chunks = list(response)
     assert response.by_reference is False  # inline over gRPC, not object references
-    expected = LLM(str(tiny_gpt2_dir), dtype="float32", **ENGINE_ARGS).generate([prompt_ids], params)[0]
+    expected = LLM(str(tiny_gpt2_dir), dtype="float32", **ENGINE_ARGS, compile_decode=False).generate([prompt_ids], params)[0]
     assert [t for c in chunks for t in c.token_ids] == expected.token_ids
     assert chunks[-1].finish_reason == "length"
 

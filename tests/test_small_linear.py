@@ -101,7 +101,7 @@ def test_an_unknown_epilogue_and_an_other_without_add_are_refused():
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_the_engine_takes_it_by_default_and_leaves_it_on_torch(tiny_gpt2_dir, dtype):
     def lm_head(**options) -> PackedLinear:
-        return LLM(str(tiny_gpt2_dir), weights="pretrained", dtype=_name(dtype), device="cpu", **options).engine.runner.model.lm_head
+        return LLM(str(tiny_gpt2_dir), weights="pretrained", dtype=_name(dtype), device="cpu", **options, compile_decode=False).engine.runner.model.lm_head
 
     assert lm_head().few_rows and lm_head(small_batch_linear="native").few_rows
     assert not lm_head(small_batch_linear="torch").few_rows
@@ -110,15 +110,15 @@ def test_the_engine_takes_it_by_default_and_leaves_it_on_torch(tiny_gpt2_dir, dt
 def test_native_without_packed_linears_and_unknown_values_are_refused(tiny_gpt2_dir):
     with pytest.raises(ValueError, match="small_batch_linear: native"):
         LLM(str(tiny_gpt2_dir), weights="pretrained", dtype="float32", device="cpu", linears="reference",
-            small_batch_linear="native")
+            small_batch_linear="native", compile_decode=False)
     with pytest.raises(ValueError, match="small_batch_linear"):
         EngineConfig(model="gpt2", small_batch_linear="fast")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_one_stream_on_it_agrees_with_the_reference_path_to_top5_and_logprobs(tiny_gpt2_dir, dtype):
-    fast = LLM(str(tiny_gpt2_dir), weights="pretrained", dtype=_name(dtype), device="cpu")
-    reference = LLM(str(tiny_gpt2_dir), weights="pretrained", dtype=_name(dtype), device="cpu", linears="reference")
+    fast = LLM(str(tiny_gpt2_dir), weights="pretrained", dtype=_name(dtype), device="cpu", compile_decode=False)
+    reference = LLM(str(tiny_gpt2_dir), weights="pretrained", dtype=_name(dtype), device="cpu", linears="reference", compile_decode=False)
     assert fast.engine.runner.model.lm_head.few_rows
     for prompt in mixed_prompts(6):  # one prompt at a time: every decode step is one row
         fast_tokens, fast_lps = greedy_logprobs(fast, prompt, 16)
@@ -134,8 +134,8 @@ def test_one_stream_on_it_agrees_with_the_reference_path_to_top5_and_logprobs(ti
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_a_batch_on_it_agrees_with_the_reference_path_to_top5_and_logprobs(tiny_gpt2_dir, dtype):
     """Twelve prompts at once: steps of 2 to 12 rows, and prefill chunks up to 64 tokens."""
-    fast = LLM(str(tiny_gpt2_dir), weights="pretrained", dtype=_name(dtype), device="cpu")
-    reference = LLM(str(tiny_gpt2_dir), weights="pretrained", dtype=_name(dtype), device="cpu", linears="reference")
+    fast = LLM(str(tiny_gpt2_dir), weights="pretrained", dtype=_name(dtype), device="cpu", compile_decode=False)
+    reference = LLM(str(tiny_gpt2_dir), weights="pretrained", dtype=_name(dtype), device="cpu", linears="reference", compile_decode=False)
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=TOP_K)
     prompts = mixed_prompts(12)
     for ours, ref in zip(fast.generate(prompts, params), reference.generate(prompts, params)):

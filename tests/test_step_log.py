@@ -7,7 +7,7 @@ from engine.step_log import StepLog, StepRecord
 
 
 def make_llm(model_dir, **config) -> LLM:
-    return LLM(str(model_dir), weights="pretrained", dtype="float32", device="cpu", **config)
+    return LLM(str(model_dir), weights="pretrained", dtype="float32", device="cpu", **config, compile_decode=False)
 
 
 def test_each_step_records_its_prompt_and_decode_tokens(tiny_gpt2_dir):

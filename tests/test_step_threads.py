@@ -19,7 +19,7 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 
 def make_llm(model_dir, **config) -> LLM:
     return LLM(str(model_dir), weights="pretrained", dtype="float32", device="cpu", linears="reference",
-               num_threads=2, **config)
+               num_threads=2, **config, compile_decode=False)
 
 
 def record_threads(engine) -> list[tuple[int, int]]:

@@ -14,16 +14,25 @@ from loadtest.variants import Round, Variant, table, variants_config
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def config_with_engine_keys(tmp_path: Path) -> Path:
+    """configs/gpt2.yaml with an engine key of its own, which a variant's engine args must keep."""
+    config = yaml.safe_load((ROOT / "configs" / "gpt2.yaml").read_text())
+    config["applications"][0]["args"]["engine"] = {"max_num_seqs": 48}
+    path = tmp_path / "base.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
 def test_each_variant_is_an_application_at_its_own_prefix_with_its_args_and_env(tmp_path: Path) -> None:
     variants = [Variant.parse("base", "{}"),
                 Variant.parse("fast", '{"args": {"max_chunks_per_s": 50, "engine": {"num_threads": 2}},'
                                       ' "env": {"OMP_WAIT_POLICY": "passive"}}')]
-    config = variants_config(ROOT / "configs" / "gpt2.yaml", tmp_path, "bfloat16", variants)
+    config = variants_config(config_with_engine_keys(tmp_path), tmp_path, "bfloat16", variants)
     base, fast = config["applications"]
     assert (base["name"], base["route_prefix"], fast["name"], fast["route_prefix"]) == ("base", "/base", "fast", "/fast")
     assert "runtime_env" not in base and fast["runtime_env"] == {"env_vars": {"OMP_WAIT_POLICY": "passive"}}
     assert fast["args"]["max_chunks_per_s"] == 50 and base["args"]["max_chunks_per_s"] == "auto"  # the file's own
-    assert fast["args"]["engine"]["max_num_seqs"] == 64  # the file's other engine keys stay
+    assert fast["args"]["engine"]["max_num_seqs"] == 48  # the file's other engine keys stay
     yaml.safe_dump(config)  # what serve run reads
 
 

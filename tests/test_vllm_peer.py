@@ -111,12 +111,15 @@ def test_cpu_since_counts_a_process_that_retitled_itself_from_the_snapshot_not_f
 
 
 def test_the_peer_table_config_serves_the_checkpoint_and_sets_the_engine_env(tmp_path: Path) -> None:
-    config = serve_config(ROOT / "configs" / "gpt2.yaml", tmp_path, "bfloat16",
+    base = yaml.safe_load((ROOT / "configs" / "gpt2.yaml").read_text())
+    base["applications"][0]["args"]["engine"] = {"max_num_seqs": 48}  # a key of the file's own
+    (tmp_path / "base.yaml").write_text(yaml.safe_dump(base))
+    config = serve_config(tmp_path / "base.yaml", tmp_path, "bfloat16",
                           {"engine": {"num_threads": 1}}, {"KMP_BLOCKTIME": "1"})
     app = config["applications"][0]
     assert app["args"]["model"] == str(tmp_path.resolve()) and app["args"]["weights"] == "pretrained"
     assert app["args"]["engine"]["num_threads"] == 1
-    assert app["args"]["engine"]["max_num_seqs"] == 64  # the file's other engine keys stay
+    assert app["args"]["engine"]["max_num_seqs"] == 48  # the file's other engine keys stay
     assert app["args"]["engine_env"] == {"KMP_BLOCKTIME": "1"}
     engine = next(d for d in app["deployments"] if d["name"] == "EngineDeployment")
     assert "ray_actor_options" not in engine  # build_app's, with the replica's own variables
