@@ -67,7 +67,7 @@ WORK_ROUTER = {**ROUTER, "request_router_kwargs": {"load_bound_eps": EPS, "key_b
 def app_args(tiny_gpt2_dir: Path) -> dict:
     return {"model": str(tiny_gpt2_dir), "served_model_name": "tiny", "dtype": "float32",
             "engine_num_cpus": 0.4, "tokenizer_num_replicas": 1, "engine_cpu_bind": "auto",
-            "engine": {"num_kv_blocks": 256, "max_num_seqs": 32, "max_num_batched_tokens": 512}}
+            "engine": {"num_kv_blocks": 256, "max_num_seqs": 32, "max_num_batched_tokens": 512, "compile_decode": False}}
 
 
 def engine_options(num_replicas: int, router: dict = ROUTER) -> dict:
