@@ -8,8 +8,8 @@ it), so the budget that leaves the engine its cores scales with the node's CPUs:
 CHUNKS_PER_S_PER_CPU for each CPU this process may run on: 100 chunks a second on 2 cores,
 where it bought 32 streams more tokens a second than 300 did, at the cost of a stream hearing
 from the server a few times a second rather than about ten; a stream alone, at GPT-2-small's
-step rate there (under 100 a second), still gets every token as it comes (BENCHMARKS.md,
-session 19).
+step rate there (under 100 a second), still gets every token as it comes
+(BENCHMARKS.md, "Designs shipped": chunk budget).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ replica the routes run in (`ingress: engine`, deployments/engine_server.py).
 
 Both give the same three calls. In-process, a chunk is the engine's own object, passed by
 reference: no Ray call, no serialization, no second process between the engine and Serve's
-proxy (BENCHMARKS.md, session 30).
+proxy (BENCHMARKS.md, "Designs shipped": routes in the engine replica).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ deployment's code on the replica's own event loop rather than on a loop in a thr
 own, one thread hop less for every chunk a stream sends. Past its constructor (which waits
 for the engine to build, before the replica serves anything) the deployment's code never
 blocks its loop: the model steps on the step loop thread. A blocking loop is what the
-separate thread guards against. Measured in BENCHMARKS.md (session 8).
+separate thread guards against. Measured: BENCHMARKS.md, "Designs shipped": event loops and handles.
 
 Libraries are optional: a name that resolves to no file on this machine is skipped with a
 warning, so one config file runs where tcmalloc or Intel OpenMP is installed and where it

@@ -5,7 +5,7 @@
 The Ingress deployment's routes and the engine deployment's methods in one replica: a
 request crosses from Serve's proxy to the process that steps the model, and each chunk
 from the engine reaches the routes by reference: more tokens/s and a lower TTFT than the
-Ingress deployment's two hops (BENCHMARKS.md, session 30).
+Ingress deployment's two hops (BENCHMARKS.md, "Designs shipped": routes in the engine replica).
 What it gives up: routes that scale apart from the engine, and the prefix-aware router,
 which sees the prompts only as the Ingress's handle calls (configs/scale-out.yaml keeps both).
 """

@@ -3,7 +3,8 @@
 By default a handle call passes its arguments and every streamed item through Ray's object
 protocol (an object reference per item, resolved by the caller's core worker). Serve's
 gRPC transport sends them inline over one channel per pair of replicas instead: less time
-per call and a lower TTFT under load, for the same throughput (BENCHMARKS.md).
+per call and a lower TTFT under load, for the same throughput (BENCHMARKS.md, "Designs shipped": event
+loops and handles).
 """
 
 from ray.serve.handle import DeploymentHandle

@@ -129,8 +129,9 @@ async def build_serving(tokenizer: DeploymentHandle, engine: EngineClient, model
 
 # The routes, and the routers of the handles they call, run on the replica's own event
 # loop rather than on a loop in a thread each: two thread hops less for every chunk
-# relayed from the engine to the proxy (BENCHMARKS.md, session 9). The routes never block
-# the loop (long prompts are tokenized in the tokenizer deployment, the model steps in the engine).
+# relayed from the engine to the proxy (BENCHMARKS.md, "Designs shipped": event loops and handles).
+# The routes never block the loop (long prompts are tokenized in the tokenizer deployment,
+# the model steps in the engine).
 # A config file's ray_actor_options for Ingress replace this whole dict, so
 # configs/scale-out.yaml repeats these variables (configs/gpt2.yaml serves the routes in the engine).
 ON_REPLICA_LOOP = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}

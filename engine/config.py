@@ -55,7 +55,7 @@ class EngineConfig:
     # On CUDA, steps of one-token rows (decodes) replayed from CUDA graphs captured before the
     # engine serves, one per bucket of rows and block-table width (engine/cuda_graphs.py);
     # other steps run eagerly. With compile_decode (auto on CUDA: on) the graphs hold the
-    # compiled step, Triton kernels for the fused pieces (BENCHMARKS.md, "On a GPU", session 26).
+    # compiled step, Triton kernels for the fused pieces (BENCHMARKS.md, engine offline: GPU).
     # auto: on CUDA (vLLM's default; false is its enforce_eager); true: the same, and an
     # error off CUDA.
     cuda_graphs: bool | Literal["auto"] = "auto"
@@ -68,8 +68,8 @@ class EngineConfig:
     # chunk's rows causally; longer ones, and steps that score prompt logprobs, run eagerly.
     # 0: decode-only steps alone. Past 64 rows (our C++ linears' limit) the graph runs oneDNN's
     # products as eager steps do and still wins up to 128; a long prompt's 128-token chunks
-    # on it now prefill as fast as eager's one step, or faster (BENCHMARKS.md, sessions 13,
-    # 32 and 33).
+    # on it now prefill as fast as eager's one step, or faster (BENCHMARKS.md, "Designs shipped":
+    # prefills on the compiled graph).
     graph_prefill_tokens: int = 128
     # The sampler's draw (argmax and an inverse-CDF draw per row). native: our C++ kernel
     # (engine/csrc/sampling.cpp, built with decode_attention's); torch: torch ops, compiled
@@ -78,11 +78,11 @@ class EngineConfig:
     # Prepacked linears (linears: auto) on small steps. native: our C++ kernels over a second
     # copy of the weights, kept beside the packed ones (the linears' weights take twice the
     # memory): in bf16 on AVX-512 BF16, steps of 1 to 64 rows on the weights in panels
-    # (engine/csrc/blocked_linear.cpp, BENCHMARKS.md session 12); in fp32 on the AVX2 build,
-    # the same on fp32 panels (engine/csrc/blocked_linear_f32.cpp, session 20); elsewhere,
-    # steps of one to three rows on the plain weights (engine/csrc/small_linear.cpp, session 9;
-    # the decode graph pads one row to two). torch: oneDNN's product for every step. auto: ours on CPU
-    # where the linears are packed and they build, else oneDNN's, logged.
+    # (engine/csrc/blocked_linear.cpp); in fp32 on the AVX2 build, the same on fp32 panels
+    # (engine/csrc/blocked_linear_f32.cpp); elsewhere, steps of one to three rows on the plain
+    # weights (engine/csrc/small_linear.cpp; the decode graph pads one row to two). Measured:
+    # BENCHMARKS.md, "Designs shipped": linears. torch: oneDNN's product for every step. auto: ours
+    # on CPU where the linears are packed and they build, else oneDNN's, logged.
     small_batch_linear: KernelChoice = "auto"
     seed: int = 0
     block_size: int = 16
@@ -93,8 +93,9 @@ class EngineConfig:
     max_num_seqs: int = 64
     # Prefill + decode tokens per step. auto: on CPU with the decode graph, the graph's bound
     # (graph_prefill_tokens, at least max_num_seqs), so that every step takes it and a wave of
-    # new prompts is prefilled in groups whose first tokens come a group at a time (BENCHMARKS.md,
-    # session 32); else 512 (or max_num_seqs, if more).
+    # new prompts is prefilled in groups whose first tokens come a group at a time
+    # (BENCHMARKS.md, "Designs shipped": prefills on the compiled graph); else 512 (or max_num_seqs,
+    # if more).
     max_num_batched_tokens: int | Literal["auto"] = "auto"
     max_model_len: int | None = None  # defaults to the model's n_positions
     enable_prefix_caching: bool = True
@@ -107,7 +108,8 @@ class EngineConfig:
     # Steps of at most this many tokens (one stream's decodes) run on one torch thread, the
     # rest on num_threads: in a server the other processes on the engine's cores stall a
     # small step's OpenMP barriers more than a second thread speeds it up, in bf16; in fp32,
-    # twice the bytes a step, the second thread wins (engine/step_threads.py, BENCHMARKS.md
+    # twice the bytes a step, the second thread wins (engine/step_threads.py; BENCHMARKS.md,
+    # "Designs shipped": one thread for one-token steps).
     # 0: every step on num_threads; auto: 1 on CPU in bf16, else 0.
     one_thread_max_tokens: int | Literal["auto"] = "auto"
 
@@ -175,7 +177,7 @@ class EngineConfig:
         """Whether decode steps run through the compiled graph (compile_decode resolved)."""
         if self.compile_decode == "auto":
             # On CUDA only inside CUDA graphs: launched from Python, inductor's kernels lost to
-            # the eager step at 32 sequences (BENCHMARKS.md, "On a GPU", sessions 19, 23, 26).
+            # the eager step at 32 sequences (BENCHMARKS.md, engine offline: GPU).
             return self.torch_device.type == "cpu" or self.cuda_graphs is not False
         return bool(self.compile_decode)
 

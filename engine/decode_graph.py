@@ -13,7 +13,8 @@ pool costs more in dispatch than in bytes): our C++ one where our attention kern
 index_copy_, which copies on one thread, otherwise. So the compiled code never copies or
 mutates the pool, and a warm-up call leaves no trace. Its logits stay in the model's dtype:
 converting a bf16 batch's to float32 in the graph cost more than our C++ sampler's reading
-bf16 as it is (BENCHMARKS.md, session 10); what else reads them converts the rows it reads.
+bf16 as it is (BENCHMARKS.md, "Designs shipped": around the decode graph); what else reads them
+converts the rows it reads.
 Where the sampler is torch's, the graph also returns each row's greedy token
 (`argmax_in_graph`), as ATen's argmax over the vocabulary is a slow, unvectorised pass.
 
@@ -79,7 +80,8 @@ class DecodeGraph:
         self.attention = attention
         self.native_write = attention is not decode_attention_with_own  # our kernels are built: write with ours too
         step = functools.partial(decode_step, model, attention, argmax_in_graph)
-        # On CPU the kernels are called from C++, not Python (BENCHMARKS.md, session 8).
+        # On CPU the kernels are called from C++, not Python
+        # (BENCHMARKS.md, "Designs shipped": around the decode graph).
         self._compiled = compile_for(device, step, dynamic=True, freezing=True, cpp_wrapper=device.type == "cpu")
         self.num_steps = 0  # steps run through the graph
 

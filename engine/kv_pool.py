@@ -4,7 +4,8 @@ huge pages where the OS allows them.
 A decode step reads each sequence's blocks wherever the block manager put them: for GPT-2
 small, 12 layers × 2 × 12 heads × a few blocks of 2 KB per sequence, each block on a page of
 its own. With 4 KB pages nearly every block read is a TLB miss and a page walk; with 2 MB
-pages the blocks of a head share a handful of pages (the figures are in BENCHMARKS.md).
+pages the blocks of a head share a handful of pages (BENCHMARKS.md, "Designs shipped": around the
+decode graph).
 Only the pool is advised, not the process (PyTorch's THP_MEM_ALLOC_ENABLE would advise every
 allocation of 2 MB or more).
 """

@@ -115,7 +115,8 @@ def load_tokenizer(model: str) -> transformers.PreTrainedTokenizerBase:
     if directory is not None and _names_gpt2_tokenizer(directory):
         # The class itself where the files name it: AutoTokenizer imports transformers'
         # model configs and with them torch, which a tokenizer replica has no use for
-        # (BENCHMARKS.md, session 34: half its memory, and a quicker start).
+        # (half its memory, and a quicker start: BENCHMARKS.md, "Designs shipped": tokenizer and Ingress
+        # replicas without torch).
         return transformers.GPT2Tokenizer.from_pretrained(directory)
     if directory is not None:
         return transformers.AutoTokenizer.from_pretrained(directory)

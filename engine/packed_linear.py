@@ -5,9 +5,9 @@ once at load gives bit-identical products, cheaper. This is the op PyTorch's own
 emits for frozen CPU linears. oneDNN runs bf16 only on AVX-512 BW/VL/DQ or newer.
 
 fp32: `F.linear` runs MKL's sgemm, which is not faster than oneDNN's prepacked fp32 kernels
-at the row counts a step runs (BENCHMARKS.md), on AVX2 as on AVX-512. The two round
-differently, so fp32 packing is not bit-identical: `linears: reference` keeps F.linear,
-the path that is token-exact with Hugging Face.
+at the row counts a step runs (BENCHMARKS.md, "Designs shipped": linears), on AVX2 as on
+AVX-512. The two round differently, so fp32 packing is not bit-identical: `linears:
+reference` keeps F.linear, the path that is token-exact with Hugging Face.
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ class PackedLinear(nn.Module):
     With `few_rows`, a second copy of the weight stays beside it for torch.ops.rayinfer.linear
     (engine/csrc/small_linear.cpp), which runs small steps where oneDNN is slow: in bf16 on
     AVX-512 BF16, the weight in panels (`panels`) and steps of 1 to 64 rows on
-    engine/csrc/blocked_linear.cpp (BENCHMARKS.md, session 12); in fp32 on AVX2, the same on
-    engine/csrc/blocked_linear_f32.cpp (session 20); elsewhere, the plain weight and steps of
-    one to three rows (session 9).
+    engine/csrc/blocked_linear.cpp; in fp32 on AVX2, the same on
+    engine/csrc/blocked_linear_f32.cpp; elsewhere, the plain weight and steps of
+    one to three rows (BENCHMARKS.md, "Designs shipped": linears).
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, few_rows: bool = False):
@@ -75,7 +75,7 @@ def in_panels(weight: torch.Tensor) -> bool:
     """Whether our kernel takes this weight in panels: bf16 with an even number of inputs (a
     dot product takes them in pairs), on a CPU with AVX-512 BF16 and kernels built for it;
     fp32 where the kernels are built for AVX2 (on AVX-512, oneDNN's fp32 is as fast from three
-    rows on, as the same kernel built for AVX-512 showed: sessions 9, 20)."""
+    rows on, as the same kernel built for AVX-512 showed: BENCHMARKS.md, "Designs shipped": linears)."""
     if weight.dtype == torch.float32:
         return native.isa_build() == "avx2"
     return (weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0 and cpu_features().avx512_bf16

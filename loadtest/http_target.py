@@ -109,9 +109,9 @@ async def benchmark(config: BenchConfig) -> BenchResult:
 def heap_frozen() -> Iterator[None]:
     """The objects this process holds before a timed run kept out of the garbage collector's
     passes during it, as vLLM's benchmark_serving does: a full pass walks all of them (an
-    offline engine run earlier in the same process leaves hundreds of thousands: BENCHMARKS.md,
-    session 26), and a pass mid-burst holds back every request not yet sent, its TTFT counting
-    the wait."""
+    offline engine run earlier in the same process leaves hundreds of thousands:
+    BENCHMARKS.md, "Designs shipped"), and a pass mid-burst holds back every request not yet sent,
+    its TTFT counting the wait."""
     gc.collect()
     gc.freeze()
     try:

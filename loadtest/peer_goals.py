@@ -2,7 +2,7 @@
 in how many rounds the goal was met.
 
 Why rounds: on the 2-core VM this project measures on, the same code's throughput moves by
-a third between runs minutes apart (BENCHMARKS.md, sessions 24, 27, 35), so one table's
+a third between runs minutes apart (BENCHMARKS.md, HTTP), so one table's
 ratio can meet a goal that the next misses. `python -m loadtest.peer_table --rounds N`
 alternates which server goes first, and this report puts every round's figure beside the
 median.

@@ -205,8 +205,8 @@ def table(run: TableRun) -> str:
 def wave_ttft_p50(result: BenchResult, streams: int, later: bool) -> float | None:
     """TTFT p50 (ms) of the first wave (the first `streams` requests, sent together) or of the
     requests sent later, each as a stream ended. A closed loop's later requests arrive in bursts
-    as streams end together, and cross a server's path one after another (BENCHMARKS.md,
-    session 29), so the two halves tell different stories."""
+    as streams end together, and cross a server's path one after another, so the two halves
+    tell different stories."""
     requests = result.requests[streams:] if later else result.requests[:streams]
     ttfts = [1000 * (r.first_content - r.sent) for r in requests if r.ok and r.first_content is not None]
     return percentile(ttfts, 50) if ttfts else None

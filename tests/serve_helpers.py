@@ -139,7 +139,7 @@ def shut_serve_and_ray() -> None:
         # Serve's graceful pass first, as every passing CI run before 2cd89c0 had it: the
         # one run with ray.shutdown() alone had a later module's raylet never start. Without
         # it, more of gRPC's threads stayed at work in this process, the one every later
-        # ray.init forks from (BENCHMARKS.md, session 35). Only with Ray up: without,
+        # ray.init forks from. Only with Ray up: without,
         # Serve would start a cluster to shut down.
         if ray.is_initialized():
             with contextlib.suppress(Exception):

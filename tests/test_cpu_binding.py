@@ -112,6 +112,6 @@ def test_a_replica_binds_every_thread_and_follows_its_rank_when_serve_renumbers_
 @pytest.mark.parametrize("config", sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml")),
                          ids=lambda path: path.name)
 def test_every_config_file_validates_and_leaves_binding_to_the_os(config: Path) -> None:
-    """No machine measured here gained from binding (BENCHMARKS.md, session 18)."""
+    """No machine measured here gained from binding (BENCHMARKS.md, "Designs tried and rejected")."""
     application = yaml.safe_load(config.read_text())["applications"][0]
     assert AppArgs.model_validate(application["args"]).engine_cpu_bind == "nobind"

@@ -72,7 +72,8 @@ def test_the_count_follows_the_thread_that_steps(tiny_gpt2_dir):
 
 
 def test_auto_is_one_token_on_cpu_in_bf16_only(tiny_gpt2_dir):
-    # fp32 steps move twice the bytes: there the second thread wins (BENCHMARKS.md, session 14)
+    # fp32 steps move twice the bytes: there the second thread wins
+    # (BENCHMARKS.md, "Designs shipped": one thread for one-token steps)
     assert EngineConfig(device="cpu", dtype="bfloat16", one_thread_max_tokens="auto").one_thread_tokens == 1
     assert EngineConfig(device="cpu", dtype="float32", one_thread_max_tokens="auto").one_thread_tokens == 0
     assert EngineConfig(device="cpu", dtype="float32", one_thread_max_tokens=2).one_thread_tokens == 2

@@ -8,7 +8,8 @@
 // packed weight at 70-90% of the rate it reaches on 512 rows; this one, a 12-row by 32-feature
 // register tile over a panel, each thread streaming its own run of panels, is 10-50% faster
 // there and as fast as our one-dot-per-feature kernel on one to three rows (BENCHMARKS.md,
-// session 12). Accumulation is in fp32, as oneDNN's; rounding to bf16 is round-to-nearest-even.
+// "Designs shipped": linears). Accumulation is in fp32, as oneDNN's; rounding to bf16 is
+// round-to-nearest-even.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

@@ -6,7 +6,7 @@
 //     weights for the panel's features.
 //
 // Why: on AVX2 oneDNN's fp32 product runs well below its many-row rate at these rows
-// (BENCHMARKS.md, session 20): the rows of a short prompt's prefill, of a few streams'
+// (BENCHMARKS.md, "Designs shipped": linears): the rows of a short prompt's prefill, of a few streams'
 // decodes and of the compiled graph's mixed steps. A 6-row by 2L-feature register
 // tile over a panel (12 accumulators, 2 weight vectors and a broadcast: 15 of AVX2's 16
 // registers), each thread streaming its own run of panels, re-reads a panel from cache for
