@@ -93,7 +93,7 @@ def as_api_error(exc: BaseException) -> ApiError:
 
 _MESSAGES = {
     "model_type": "the body must be a JSON object",
-    "extra_forbidden": "unknown field: the README's field table lists every field rayinfer takes",
+    "extra_forbidden": "unknown field: docs/api.md's field table lists every field rayinfer takes",
 }
 
 

@@ -27,7 +27,7 @@ def refused(reason: str, *no_ops: Any) -> Any:
 NO_TOOLS = "GPT-2 has no tool calling"
 NO_STRUCTURED = "no structured output or guided decoding"
 NO_MULTIMODAL = "text only"
-NO_CHAT_TEMPLATE = "GPT-2 has no chat template; rayinfer's fixed one is in the README"
+NO_CHAT_TEMPLATE = "GPT-2 has no chat template; rayinfer's fixed one is in docs/api.md"
 NO_BEAM = "no beam search"
 
 

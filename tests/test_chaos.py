@@ -63,7 +63,7 @@ def test_http_and_the_dashboard_listen_on_loopback_only(served: tuple[str, psuti
     sockets = listening(process)
     http = [ip for ip, port, _ in sockets if port == int(url.rsplit(":", 1)[1])]
     # The dashboard's own Prometheus exporter binds every interface unless the node's IP is
-    # a loopback one (README.md, "Opening the server deliberately"); its UI and API must not.
+    # a loopback one (docs/security.md, "Opening the server deliberately"); its UI and API must not.
     dashboard = [(ip, port) for ip, port, cmdline in sockets
                  if "dashboard/dashboard.py" in cmdline and port != DASHBOARD_METRIC_PORT]
     assert http == ["127.0.0.1"]

@@ -1,7 +1,7 @@
 # Every request field of the OpenAI API as real clients send it, through the real `openai` SDK
 # (raw HTTP only where the SDK cannot send the shape) against real Ray Serve serving the tiny
 # fp32 checkpoint: each field works as OpenAI/vLLM define it, or is a 400 naming it. The
-# README's field table lists the same fields; logprobs are checked against transformers'
+# docs/api.md's field table lists the same fields; logprobs are checked against transformers'
 # own log-softmax of the same weights.
 from __future__ import annotations
 
