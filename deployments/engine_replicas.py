@@ -21,14 +21,15 @@ from deployments.errors import unavailable
 
 T = TypeVar("T")
 
-# How often a request waiting for its first answer looks at the set again: the router can
-# lose its last replica while the request waits in it (a probe of the dead replica fails).
+# How often the watch looks at the set: the router can lose its last replica while requests
+# wait in it (a probe of the dead replica fails), and they are answered within this.
 _POLL_S = 0.2
 
 
 class EngineReplicas:
     def __init__(self, handle: DeploymentHandle) -> None:
         self._handle = handle
+        self._watch: asyncio.Task | None = None  # done once the set is empty; shared by every waiting call
 
     def num_replicas(self) -> int | None:
         """The replicas the handle's router can send to; None when unknown: a router not
@@ -46,13 +47,22 @@ class EngineReplicas:
         (the 503, or the caller cancelled) cancels `waiting`."""
         task = asyncio.ensure_future(waiting)
         try:
-            while self.num_replicas() != 0:
-                done, _ = await asyncio.wait({task}, timeout=_POLL_S)
-                if done:
+            if self.num_replicas() != 0:
+                done, _ = await asyncio.wait({task, self._none_left()}, return_when=asyncio.FIRST_COMPLETED)
+                if task in done:
                     return task.result()
             raise unavailable("no engine replica is up (one is being replaced); retry shortly")
         finally:
             task.cancel()  # a no-op once it is done
+
+    def _none_left(self) -> asyncio.Task:
+        if self._watch is None or self._watch.done():
+            self._watch = asyncio.get_running_loop().create_task(self._until_none_left())
+        return self._watch
+
+    async def _until_none_left(self) -> None:
+        while self.num_replicas() != 0:
+            await asyncio.sleep(_POLL_S)
 
 
 def _scales_from_zero(router: object) -> bool:
