@@ -1,7 +1,7 @@
 """What the routes call the engine through: a handle to the engine deployment, or the engine
 replica the routes run in (`ingress: engine`, deployments/engine_server.py).
 
-Both give the same three calls. In-process, a chunk is the engine's own object, passed by
+Both give the same calls. In-process, a chunk is the engine's own object, passed by
 reference: no Ray call, no serialization, no second process between the engine and Serve's
 proxy (BENCHMARKS.md, "Designs shipped": routes in the engine replica).
 """
@@ -10,17 +10,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from ray.serve.handle import DeploymentHandle
 
+from deployments.engine_replicas import EngineReplicas
 from deployments.handles import over_grpc
 from engine import EngineStats, GenerationChunk, ModelInfo, SamplingParams
 
 if TYPE_CHECKING:
     from deployments.engine_deployment import EngineReplica
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -50,21 +53,30 @@ class EngineClient(Protocol):
 
     async def model_info(self) -> ModelInfo: ...
 
+    async def while_up(self, waiting: Awaitable[T]) -> T:
+        """`waiting`'s result, or a 503 (ApiError) as soon as no engine replica is up to
+        serve it: a call waiting on a dead engine fails fast instead of hanging."""
+        ...
+
 
 class RemoteEngine:
     """The engine deployment, over a handle (Serve's router picks the replica)."""
 
     def __init__(self, handle: DeploymentHandle) -> None:
         self._handle = over_grpc(handle)
+        self._replicas = EngineReplicas(self._handle)
 
     def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> EngineStream:
         return self._handle.options(stream=True).generate.remote(request_id, prompt_token_ids, params)
 
     async def status(self) -> EngineStatus:
-        return await self._handle.status.remote()
+        return await self.while_up(self._handle.status.remote())
 
     async def model_info(self) -> ModelInfo:
         return await self._handle.model_info.remote()
+
+    async def while_up(self, waiting: Awaitable[T]) -> T:
+        return await self._replicas.while_up(waiting)
 
 
 class LocalEngine:
@@ -82,6 +94,11 @@ class LocalEngine:
 
     async def model_info(self) -> ModelInfo:
         return self._replica.model_info()
+
+    async def while_up(self, waiting: Awaitable[T]) -> T:
+        """Always up: a dead replica runs no code, so no one is left here to answer
+        (Serve's proxy holds such requests until a new replica is up)."""
+        return await waiting
 
 
 class _LocalStream:

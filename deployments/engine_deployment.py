@@ -115,7 +115,7 @@ class EngineReplica:
 ENGINE_OPTIONS = dict(
     ray_actor_options={"num_cpus": 0.5},  # build_app adds num_gpus: 1 where the cluster has GPUs
     graceful_shutdown_timeout_s=30,
-    health_check_period_s=5,
+    health_check_period_s=2,  # how soon Serve notices a dead replica (RELIABILITY.md)
 )
 
 EngineDeployment = serve.deployment(

@@ -15,8 +15,9 @@ import asyncio
 import importlib.metadata
 import time
 import uuid
+from collections.abc import Awaitable
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 from fastapi import Request
@@ -25,7 +26,7 @@ from ray.serve.handle import DeploymentHandle
 
 from deployments.encoding import EncodeRequest, Encoded
 from deployments.engine_client import EngineClient
-from deployments.errors import ApiError, as_api_error, unknown_model
+from deployments.errors import ApiError, as_api_error, unavailable, unknown_model
 from deployments.generation import Choice, Generation, ServerTiming, choice_deltas
 from deployments.http_body import BodyT, read_json_body
 from deployments.prompt_encoding import PromptEncoding
@@ -40,6 +41,8 @@ from engine.detokenizer import TokenVocab
 from engine.request_rules import check_token_ids
 
 HEALTH_TIMEOUT_S = 5.0
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -66,7 +69,7 @@ class Serving:
         if body.stream:
             events = sse_events(gen, fmt, body.include_usage, body.continuous_usage)
             return StreamingResponse(events, media_type="text/event-stream")
-        return await openai_body(gen, fmt)
+        return await whole(openai_body(gen, fmt))
 
     def choice(self, body: OpenAIBody, fmt: OpenAIFormat, request_id: str, index: int, encoded: Encoded,
                seed_offset: int) -> Choice:
@@ -88,7 +91,7 @@ class Serving:
         headers = {"Server-Timing": timing.header()}
         if body.stream:
             return StreamingResponse(text_stream(gen), media_type="text/plain; charset=utf-8", headers=headers)
-        return PlainTextResponse((await collect(gen)).texts[0], headers=headers)
+        return PlainTextResponse((await whole(collect(gen))).texts[0], headers=headers)
 
     def models(self, request: Request) -> dict:
         self.api_keys.check(request.headers.get("authorization"))
@@ -102,7 +105,7 @@ class Serving:
         try:
             status = await asyncio.wait_for(self.engine.status(), HEALTH_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001 - unreachable or restarting: unhealthy
-            error = ApiError(503, f"engine unavailable: {type(exc).__name__}", "server_error", retry_after_s=1)
+            error = exc if isinstance(exc, ApiError) else unavailable(f"engine unavailable: {type(exc).__name__}")
             return JSONResponse(error.body, status_code=503, headers=error.headers)
         body = {"status": "dead" if status.is_dead else "ok", "model": asdict(status.model),
                 "stats": asdict(status.stats), "num_active_requests": status.num_active_requests,
@@ -155,8 +158,17 @@ class Serving:
         streams = [choice_deltas(self.engine, self.vocab, c, timing, received_at) for c in choices]
         deltas = streams[0] if len(streams) == 1 else merge(streams)
         try:
-            first = await anext(deltas)
+            first = await self.engine.while_up(anext(deltas))
         except Exception as exc:
             raise as_api_error(exc) from exc
         return Generation(request_id, self.model_name, [len(c.prompt_token_ids) for c in choices],
                           num_prompt_tokens, prepend(first, deltas), timing)
+
+
+async def whole(body: Awaitable[T]) -> T:
+    """A non-streamed body; an error after its first token (an engine replica that died
+    mid-generation) is an HTTP error in OpenAI's shape too, a 503 with Retry-After."""
+    try:
+        return await body
+    except Exception as exc:
+        raise as_api_error(exc) from exc

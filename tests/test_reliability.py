@@ -27,7 +27,7 @@ from tests.http_helpers import (
     MODEL, PROMPTS, Stream, assert_openai_error, check_engine_integrity, greedy, health_of, run_async, until,
     wait_for, wait_until_idle,
 )
-from tests.serve_helpers import running_app, tiny_app_args
+from tests.serve_helpers import replica_process, running_app, tiny_app_args
 
 pytestmark = pytest.mark.serve
 
@@ -455,6 +455,26 @@ def test_a_killed_engine_replica_is_replaced_and_service_resumes(http: httpx.Cli
     killed = kill_the_replica("EngineDeployment")
     assert set(wait_until_served(http)) <= {503}
     assert killed not in replica_names("EngineDeployment")
+
+
+def test_with_the_routes_in_the_engine_a_killed_replica_cuts_its_streams_and_requests_wait_for_its_replacement(
+        base_url: str, http: httpx.Client) -> None:
+    """What `ingress: engine` gives (test_reliability_ingress.py: what `ingress: deployment`
+    gives): the process that would send the error event is the one killed, and Serve's proxy
+    neither ends the stream in-band nor answers for the missing replica."""
+    [old_name] = replica_names("EngineDeployment")
+
+    async def scenario(http: httpx.AsyncClient):
+        stream = Stream(http, long_stream(PROMPTS[0]))
+        await stream.first_chunk.wait()
+        replica_process("EngineDeployment").kill()  # SIGKILL
+        await asyncio.gather(stream.task, return_exceptions=True)
+        return stream
+
+    stream = run(scenario, base_url)
+    assert stream.payloads and "[DONE]" not in stream.payloads and stream.error is None  # cut
+    assert http.post("/v1/completions", json=greedy(PROMPTS[2], max_tokens=4)).status_code == 200  # once replaced
+    assert old_name not in replica_names("EngineDeployment")
 
 
 def test_a_killed_tokenizer_replica_is_replaced_and_service_resumes(http: httpx.Client) -> None:
