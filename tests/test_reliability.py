@@ -60,7 +60,7 @@ def deployment_options(ingress: str, engine_health_check_period_s: float = 1) ->
     return options
 
 
-# The routes in the engine replica, as configs/gpt2.yaml ships them (deployments/app.py,
+# The routes in the engine replica (`ingress: engine`) (deployments/app.py,
 # `ingress`); test_reliability_ingress.py runs the faults, disconnects and overload again
 # with the routes in an Ingress deployment of their own.
 @pytest.fixture(scope="module")

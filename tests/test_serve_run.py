@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from deployments.ingress import ON_REPLICA_LOOP
-from tests.serve_helpers import ROOT, free_port, proxy_process, replica_process, replica_processes, serve_run
+from tests.serve_helpers import ROOT, free_port, proxy_process, replica_process, serve_run
 
 pytestmark = pytest.mark.serve
 
@@ -41,10 +41,10 @@ def test_serve_run_gpt2_yaml_serves_a_stream_and_shuts_down_cleanly_on_sigint(tm
             payloads = [line.removeprefix("data: ") for line in response.iter_lines() if line]
         assert payloads[-1] == "[DONE]"
         assert json.loads(payloads[-2])["usage"]["completion_tokens"] == 4
-        # ingress: engine: the engine replica serves the routes, on its own loop as the Ingress would
-        assert replica_processes("Ingress") == []
-        engine = replica_process("EngineDeployment").environ()
-        assert {name: engine.get(name) for name in ON_REPLICA_LOOP} == ON_REPLICA_LOOP
+        # ingress: deployment: the routes in an Ingress replica, on its own loop, and so the engine's code
+        for deployment in ("Ingress", "EngineDeployment"):
+            environ = replica_process(deployment).environ()
+            assert {name: environ.get(name) for name in ON_REPLICA_LOOP} == ON_REPLICA_LOOP
         controller_env = yaml.safe_load(config.read_text())["controller_options"]["runtime_env"]["env_vars"]
         proxy = proxy_process().environ()  # the config's controller_options reached Serve's proxy
         assert {name: proxy.get(name) for name in controller_env} == controller_env
