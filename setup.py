@@ -30,14 +30,18 @@ def kernel_sources():
 def extensions(kernels) -> list[CppExtension]:
     # optional: setuptools copies an editable install's libraries into the source tree and
     # must not fail on one whose build was skipped. Sources relative: setuptools wants them so.
+    # -g0: Python's own CFLAGS, which setuptools compiles with, carry -g (debug information,
+    # 25 times the library's size, and a slower build); the engine's own builds have none.
     return [CppExtension(f"engine.{kernels.library_stem(isa, torch.__version__)}",
                          [str(path.relative_to(ROOT)) for path in kernels.sources()],
-                         extra_compile_args=kernels.cflags(isa), optional=True)
+                         extra_compile_args=[*kernels.cflags(isa), "-g0"], optional=True)
             for isa in kernels.ISA_FLAGS]
 
 
 class BuildKernels(BuildExtension):
     """BuildExtension that skips, with a warning, a library that does not build."""
+
+    command_name = "build_ext"  # the warnings' prefix, not with_options' class's name
 
     def run(self) -> None:
         if self.inplace:  # an editable install's: set before run() builds elsewhere and copies back
