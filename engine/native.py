@@ -8,7 +8,7 @@ loads the one for its ISA. Where the install built none for these sources (a mac
 a compiler then, an install older than these sources), the engine builds them itself with
 ninja (torch.utils.cpp_extension), as inductor needs the compiler too, cached under
 ~/.cache/torch_extensions and keyed by the sources and flags, so only a process that finds no
-build compiles (~30-45 s on 2 cores). Where neither works, the engine runs torch's ops in
+build compiles. Where neither works, the engine runs torch's ops in
 their place, said once in the log. The ISA comes from the CPU probe, so RAYINFER_CPU_ISA=avx2
 loads (or builds) the AVX2 kernels on an AVX-512 machine too.
 """
