@@ -1,6 +1,7 @@
 """Which implementation an engine's hot ops run, as its config asks and this machine allows:
-our C++ kernels (engine/native.py) or torch's. `auto` takes ours on CPU where they build and
-falls back, logged, where they don't; `native` is an error where they can't run."""
+our C++ kernels (engine/native.py) or torch's. `auto` takes ours on CPU where they load and
+falls back where they don't (engine/native.py logs why, once; each op here what it runs
+instead); `native` is an error where they can't run."""
 
 from __future__ import annotations
 
@@ -66,4 +67,4 @@ def _wants_native(option: str, choice: KernelChoice, fits: bool, why_not: str) -
 def _fall_back(option: str, choice: KernelChoice, exc: Exception, instead: str) -> None:
     if choice == "native":
         raise ValueError(f"{option}: native: the C++ kernel did not build here ({exc!r})") from exc
-    logger.warning("%s: our C++ kernel did not build (%r); %s", option, exc, instead)
+    logger.info("%s: our C++ kernel is not available; %s", option, instead)

@@ -1,13 +1,16 @@
-"""Our C++ kernels (engine/csrc/*.cpp), built for this CPU's vector ISA the first time an
-engine asks for them and loaded as ops under `torch.ops.rayinfer`: `decode_attention`
-(engine/native_attention.py), the decode graph's KV write `write_kv` (engine/decode_graph.py),
-the sampler's `draw` and `argmax` (engine/sampler.py) and the small-batch `linear`
-(engine/packed_linear.py).
+"""Our C++ kernels (engine/csrc/*.cpp) for this CPU's vector ISA, loaded as ops under
+`torch.ops.rayinfer`: `decode_attention` (engine/native_attention.py), the decode graph's KV
+write `write_kv` (engine/decode_graph.py), the sampler's `draw` and `argmax`
+(engine/sampler.py) and the small-batch `linear` (engine/packed_linear.py).
 
-The build needs a C++ compiler and ninja (torch.utils.cpp_extension), as inductor needs the
-compiler; it is cached under ~/.cache/torch_extensions, keyed by the sources and flags, so
-only a process that finds no build compiles (~20-45 s). The ISA comes from the CPU probe, so
-RAYINFER_CPU_ISA=avx2 builds (and runs) the AVX2 kernels on an AVX-512 machine too.
+`pip install` builds them (setup.py, one library an ISA in the package), so an engine only
+loads the one for its ISA. Where the install built none for these sources (a machine without
+a compiler then, an install older than these sources), the engine builds them itself with
+ninja (torch.utils.cpp_extension), as inductor needs the compiler too, cached under
+~/.cache/torch_extensions and keyed by the sources and flags, so only a process that finds no
+build compiles. Where neither works, the engine runs torch's ops in
+their place, said once in the log. The ISA comes from the CPU probe, so RAYINFER_CPU_ISA=avx2
+loads (or builds) the AVX2 kernels on an AVX-512 machine too.
 """
 
 from __future__ import annotations
@@ -21,40 +24,75 @@ from pathlib import Path
 
 import torch
 
+import engine.kernel_sources as kernel_sources
 from engine.cpu import cpu_features
 
 logger = logging.getLogger(__name__)
 
-CSRC = Path(__file__).parent / "csrc"
-SOURCES = sorted(CSRC.glob("*.cpp"))
-
-# The macro selects ATen's vector types (at::vec) for the ISA; the flags let the compiler emit it.
-_ISA_FLAGS = {
-    "avx512": ["-DCPU_CAPABILITY_AVX512", "-mavx512f", "-mavx512dq", "-mavx512vl", "-mavx512bw", "-mfma"],
-    "avx2": ["-DCPU_CAPABILITY_AVX2", "-mavx2", "-mfma", "-mf16c"],
-    "baseline": [],
-}
+PACKAGE = Path(__file__).parent
+SOURCES = kernel_sources.sources(PACKAGE)
 
 
 def isa_build() -> str:
-    """Which of _ISA_FLAGS this CPU's kernels are built for: the probe's vector width, the one
-    inductor's kernels are tiled for too (engine/inductor.py)."""
+    """Which of kernel_sources.ISA_FLAGS this CPU's kernels are built for: the probe's vector
+    width, the one inductor's kernels are tiled for too (engine/inductor.py)."""
     return {512: "avx512", 256: "avx2"}.get(cpu_features().vector_bits, "baseline")
 
 
-@functools.cache
 def load():
-    """torch.ops.rayinfer with every kernel in it, built or loaded once per process; raises
-    where the kernels cannot be built (no compiler, no ninja)."""
+    """torch.ops.rayinfer with every kernel in it, loaded once per process; raises where the
+    kernels can be neither loaded nor built (no compiler, no ninja), the same error each call."""
+    error = _load_once()
+    if error is not None:
+        raise error
+    return torch.ops.rayinfer
+
+
+@functools.cache
+def _load_once() -> Exception | None:
+    try:
+        _load_or_build(isa_build())
+    except Exception as exc:  # noqa: BLE001 - every caller falls back to torch's ops (engine/kernel_choice.py)
+        logger.warning("our C++ kernels are not available here (%r): the engine runs torch's ops in their place", exc)
+        return exc
+    return None
+
+
+def _load_or_build(isa: str) -> None:
+    if not _load_prebuilt(isa):
+        build_just_in_time(isa)
+        logger.info("our C++ kernels: built for %s", isa)
+
+
+def _load_prebuilt(isa: str) -> bool:
+    installed = prebuilt(isa)
+    if installed is None:
+        logger.info("our C++ kernels: the install built none for %s from these sources; building them", isa)
+        return False
+    try:
+        torch.ops.load_library(installed)
+    except OSError as exc:  # a failed dlopen registers nothing: building ours instead is safe
+        logger.warning("our C++ kernels: %s does not load (%s); building them", installed.name, exc)
+        return False
+    logger.info("our C++ kernels: %s, built for %s when the package was installed", installed.name, isa)
+    return True
+
+
+def prebuilt(isa: str) -> Path | None:
+    """The library setup.py built for `isa` from this package's sources and this torch, where it is."""
+    path = kernel_sources.library(isa, torch.__version__, PACKAGE)
+    return path if path.exists() else None
+
+
+def build_just_in_time(isa: str) -> None:
+    """Builds the kernels for `isa` (or finds them built, under ~/.cache/torch_extensions)
+    and loads them into this process."""
     from torch.utils import cpp_extension
 
-    isa = isa_build()
     name, build_dir = _name(isa), build_directory(isa)
     with _build_lock(build_dir):
         cpp_extension.load(name=name, sources=_sources_in(build_dir),
-                           extra_cflags=["-O3", "-fopenmp", *_ISA_FLAGS[isa]], is_python_module=False)
-    logger.info("our C++ kernels: built for %s", isa)
-    return torch.ops.rayinfer
+                           extra_cflags=kernel_sources.cflags(isa), is_python_module=False)
 
 
 def _name(isa: str) -> str:
@@ -76,7 +114,7 @@ def _sources_in(build_dir: Path) -> list[str]:
     on the way back (~30-45 s an ISA on 2 cores)."""
     copies = build_dir / "src"
     copies.mkdir(exist_ok=True)
-    for source in CSRC.iterdir():
+    for source in kernel_sources.csrc(PACKAGE).iterdir():
         if source.suffix in (".cpp", ".h"):
             copy, text = copies / source.name, source.read_bytes()
             if not copy.exists() or copy.read_bytes() != text:

@@ -107,10 +107,10 @@ def test_a_kernel_that_cannot_build_leaves_the_draw_on_torch(tiny_gpt2_dir, monk
         raise RuntimeError("Ninja is required to load C++ extensions")  # the fault: what torch raises
 
     monkeypatch.setattr(native, "load", no_ninja)
-    with caplog.at_level(logging.WARNING):
+    with caplog.at_level(logging.INFO):
         llm = LLM(str(tiny_gpt2_dir), weights="pretrained", dtype="float32", device="cpu", compile_decode=False)
     assert llm.engine.runner.sampler.native is None
-    assert "sampler: our C++ kernel did not build" in caplog.text
+    assert "sampler: our C++ kernel is not available; the draw runs on torch ops" in caplog.text
     assert len(llm.generate(["Hi"], SamplingParams(max_tokens=4, temperature=1.0, ignore_eos=True))[0].token_ids) == 4
     with pytest.raises(ValueError, match=r"sampler: native: the C\+\+ kernel did not build here"):
         LLM(str(tiny_gpt2_dir), weights="pretrained", dtype="float32", device="cpu", sampler="native", compile_decode=False)

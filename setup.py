@@ -1,0 +1,74 @@
+"""Builds our C++ kernels when the package is installed (`pip install -e .` or `pip install .`),
+as vLLM builds its CPU kernels: one library an ISA (avx512, avx2, baseline) from the same
+sources, each with its flags, installed inside the package as engine/_kernels_<isa>_<fingerprint>.so
+(engine/kernel_sources.py). engine/native.py loads the one for the CPU it runs on.
+
+A library that does not build (no compiler, a compiler without AVX-512) is skipped with a
+warning, never failing the install: the engine then builds it at its first start, or runs
+torch's ops where it cannot. Everything else about the package is in pyproject.toml.
+"""
+
+import importlib.util
+from pathlib import Path
+
+import torch
+from setuptools import setup
+from torch.utils.cpp_extension import BuildExtension, CppExtension
+
+ROOT = Path(__file__).parent
+
+
+def kernel_sources():
+    """engine/kernel_sources.py, loaded by its path: importing the engine package would need
+    its dependencies, which pip's build environment does not have."""
+    spec = importlib.util.spec_from_file_location("kernel_sources", ROOT / "engine" / "kernel_sources.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def extensions(kernels) -> list[CppExtension]:
+    # optional: setuptools copies an editable install's libraries into the source tree and
+    # must not fail on one whose build was skipped. Sources relative: setuptools wants them so.
+    # -g0: Python's own CFLAGS, which setuptools compiles with, carry -g (debug information,
+    # 25 times the library's size, and a slower build); the engine's own builds have none.
+    return [CppExtension(f"engine.{kernels.library_stem(isa, torch.__version__)}",
+                         [str(path.relative_to(ROOT)) for path in kernels.sources()],
+                         extra_compile_args=[*kernels.cflags(isa), "-g0"], optional=True)
+            for isa in kernels.ISA_FLAGS]
+
+
+class BuildKernels(BuildExtension):
+    """BuildExtension that skips, with a warning, a library that does not build."""
+
+    command_name = "build_ext"  # the warnings' prefix, not with_options' class's name
+
+    def run(self) -> None:
+        if self.inplace:  # an editable install's: set before run() builds elsewhere and copies back
+            self._clear_stale_libraries()
+        super().run()
+
+    def build_extensions(self) -> None:
+        try:
+            super().build_extensions()
+        except Exception as exc:  # noqa: BLE001 - torch's compiler check found no compiler
+            self.warn(f"our C++ kernels were not built ({exc}); the engine builds them at its first start")
+
+    def build_extension(self, ext) -> None:
+        try:
+            super().build_extension(ext)
+        except Exception as exc:  # noqa: BLE001 - ninja's failed compile raises a RuntimeError
+            self.warn(f"{ext.name} was not built ({exc}); the engine builds it at its first start "
+                      "where it is this CPU's, or runs torch's ops where it cannot")
+
+    def _clear_stale_libraries(self) -> None:
+        """An editable install's libraries land in the source tree; one built from older
+        sources would never be loaded again."""
+        current = {Path(self.get_ext_filename(ext.name)).name for ext in self.extensions}
+        for stale in (ROOT / "engine").glob("_kernels_*.so"):
+            if stale.name not in current:
+                stale.unlink()
+
+
+setup(ext_modules=extensions(kernel_sources()),
+      cmdclass={"build_ext": BuildKernels.with_options(no_python_abi_suffix=True)})
