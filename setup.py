@@ -1,6 +1,6 @@
 """Builds our C++ kernels when the package is installed (`pip install -e .` or `pip install .`),
-as vLLM builds its CPU kernels: one library an ISA (avx512, avx2, baseline) from the same
-sources, each with its flags, installed inside the package as engine/_kernels_<isa>_<fingerprint>.so
+as vLLM builds its CPU kernels: one library for each ISA this machine runs (avx512, avx2,
+baseline) from the same sources, each with its flags, installed inside the package as engine/_kernels_<isa>_<fingerprint>.so
 (engine/kernel_sources.py). engine/native.py loads the one for the CPU it runs on.
 
 A library that does not build (no compiler, a compiler without AVX-512) is skipped with a
@@ -9,6 +9,8 @@ torch's ops where it cannot. Everything else about the package is in pyproject.t
 """
 
 import importlib.util
+import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -27,6 +29,31 @@ def kernel_sources():
     return module
 
 
+# The CPU flags each ISA's kernels need; the flags ISA_FLAGS compiles them with.
+_NEEDS = {"avx512": {"avx512f", "avx512dq", "avx512vl", "avx512bw", "fma"}, "avx2": {"avx2", "fma", "f16c"}}
+
+
+def isas_to_build(kernels) -> list[str]:
+    """Each ISA this machine runs (AVX2 beside AVX-512, as RAYINFER_CPU_ISA=avx2 runs it
+    there; baseline only where neither runs): the install is for the machine it runs on,
+    and the engine builds any other where it is asked for. RAYINFER_KERNEL_ISAS=a,b chooses."""
+    chosen = os.environ.get("RAYINFER_KERNEL_ISAS")
+    if chosen:
+        return [isa for isa in chosen.split(",") if isa in kernels.ISA_FLAGS]
+    flags = _cpu_flags()
+    runs = [isa for isa, needs in _NEEDS.items() if needs <= flags]
+    return runs or ["baseline"]
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
+    return set(line.partition(":")[2].split())
+
+
 def extensions(kernels) -> list[CppExtension]:
     # optional: setuptools copies an editable install's libraries into the source tree and
     # must not fail on one whose build was skipped. Sources relative: setuptools wants them so.
@@ -35,7 +62,7 @@ def extensions(kernels) -> list[CppExtension]:
     return [CppExtension(f"engine.{kernels.library_stem(isa, torch.__version__)}",
                          [str(path.relative_to(ROOT)) for path in kernels.sources()],
                          extra_compile_args=[*kernels.cflags(isa), "-g0"], optional=True)
-            for isa in kernels.ISA_FLAGS]
+            for isa in isas_to_build(kernels)]
 
 
 class BuildKernels(BuildExtension):
@@ -55,6 +82,13 @@ class BuildKernels(BuildExtension):
             self.warn(f"our C++ kernels were not built ({exc}); the engine builds them at its first start")
 
     def build_extension(self, ext) -> None:
+        built = ROOT / "engine" / Path(self.get_ext_filename(ext.name)).name
+        if built.exists():  # the same fingerprint: the same sources, flags and torch (an editable reinstall)
+            target = Path(self.get_ext_fullpath(ext.name))
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if target.resolve() != built.resolve():
+                shutil.copyfile(built, target)
+            return
         try:
             super().build_extension(ext)
         except Exception as exc:  # noqa: BLE001 - ninja's failed compile raises a RuntimeError
