@@ -3,10 +3,11 @@ path from its first second, and its step loop takes the compiled graph at a step
 once the thread has it (LLMEngine's compile_in_background).
 
 Torch threads: torch.set_num_threads sets the OpenMP thread count of the calling thread
-only (engine/step_threads.py), so this thread sets its own, the engine's count, for
-inductor's heuristics and the warm-up calls, and leaves the step loop's alone. A new
-thread takes the count most recently set by any thread (ATen's), which the step loop's
-one-thread steps may have left at 1.
+only (engine/step_threads.py), so the step loop's one-thread steps and this thread's count,
+the engine's (for inductor's heuristics and the warm-up calls), don't meet. A new thread
+starts at the count most recently set by any thread, the engine's when the engine starts
+this one before its first step; it is set only where it differs, as a set also clears
+ATen's oneDNN cache under the step loop.
 """
 
 from __future__ import annotations
@@ -57,7 +58,8 @@ class BackgroundCompile(Generic[T]):
         return self._done.is_set()
 
     def _run(self, compile_now: Callable[[], T], threads: int) -> None:
-        torch.set_num_threads(threads)
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
         try:
             with progress(f"compiling {self.what} in the background, steps run eagerly meanwhile"):
                 self._result = compile_now()
