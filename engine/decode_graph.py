@@ -118,11 +118,10 @@ class DecodeGraph:
         def zeros(*shape: int) -> torch.Tensor:  # distinct tensors: dynamo guards on aliasing
             return torch.zeros(shape, dtype=torch.int64, device=kv_pool.device)
 
-        start = time.monotonic()
+        start, threads = time.monotonic(), torch.get_num_threads()  # what inductor's heuristics read
         self._run(zeros(rows), zeros(rows), kv_pool, zeros(rows, width), torch.arange(rows, device=kv_pool.device),
                   torch.arange(sampled, device=kv_pool.device))
-        logger.info("decode graph compiled in %.1f s (torch threads: %d)", time.monotonic() - start,
-                    torch.get_num_threads())
+        logger.info("decode graph compiled in %.1f s (torch threads: %d)", time.monotonic() - start, threads)
 
     def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_pool: torch.Tensor, block_tables: torch.Tensor,
              first_rows: torch.Tensor, logits_indices: torch.Tensor,

@@ -15,6 +15,7 @@ import threading
 from pathlib import Path
 
 import pytest
+import torch
 
 from engine import EngineConfig, SamplingParams
 from engine.decode_graph import DecodeGraph
@@ -78,6 +79,28 @@ def test_steps_take_the_graph_once_it_is_ready_with_the_same_tokens(tiny_gpt2_di
     assert engine.scheduler.max_num_batched_tokens == 128  # the graph's budget
     assert compiled == eager  # fp32, greedy: the graph's tokens are the eager path's
     engine.check_integrity()
+
+
+def test_steps_keep_their_torch_threads_while_the_graph_compiles_and_after(tiny_gpt2_dir, slow_compile):
+    """The compile's thread sets its own torch threads, never the step loop's: one-token steps
+    on one thread, the rest on the engine's two, before the switch and after."""
+    config = EngineConfig(model=str(tiny_gpt2_dir), num_threads=2, one_thread_max_tokens=1, **CONFIG)
+    engine = LLMEngine(config, compile_in_background=True)
+    seen: list[tuple[int, int]] = []
+    run = engine.runner.run
+
+    def recording(batch):
+        seen.append((sum(batch.num_new_tokens), torch.get_num_threads()))
+        return run(batch)
+
+    engine.runner.run = recording
+    prompts = mixed_prompts(3)
+    generate(engine, prompts[2:], "before")
+    slow_compile.set()
+    assert engine.wait_for_compile(timeout_s=300)
+    generate(engine, prompts[2:], "after")
+    assert engine.runner.decode_graph.num_steps >= 7
+    assert seen and all(threads == (1 if tokens == 1 else 2) for tokens, threads in seen), seen
 
 
 def test_a_background_compile_that_fails_leaves_steps_eager_with_one_warning(tiny_gpt2_dir, monkeypatch, caplog):
