@@ -15,12 +15,11 @@ import threading
 from pathlib import Path
 
 import pytest
-import torch
 
 from engine import EngineConfig, SamplingParams
 from engine.decode_graph import DecodeGraph
 from engine.llm_engine import LLMEngine
-from tests.engine_helpers import mixed_prompts
+from tests.engine_helpers import mixed_prompts, record_threads
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 CONFIG = dict(weights="pretrained", dtype="float32", device="cpu", compile_decode=True)
@@ -86,14 +85,7 @@ def test_steps_keep_their_torch_threads_while_the_graph_compiles_and_after(tiny_
     on one thread, the rest on the engine's two, before the switch and after."""
     config = EngineConfig(model=str(tiny_gpt2_dir), num_threads=2, one_thread_max_tokens=1, **CONFIG)
     engine = LLMEngine(config, compile_in_background=True)
-    seen: list[tuple[int, int]] = []
-    run = engine.runner.run
-
-    def recording(batch):
-        seen.append((sum(batch.num_new_tokens), torch.get_num_threads()))
-        return run(batch)
-
-    engine.runner.run = recording
+    seen = record_threads(engine)
     prompts = mixed_prompts(3)
     generate(engine, prompts[2:], "before")
     slow_compile.set()
