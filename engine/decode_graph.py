@@ -1,7 +1,6 @@
 """Decode steps, and steps short enough with prefill chunks among them (`graph_prefill_tokens`),
 through one inductor graph of the whole forward (`compile_decode: true`), as vLLM's CPU
-worker runs its model: weights frozen into the graph, LayerNorm, GELU and residual adds
-fused around the linears, and the paged pools read in place by the attention
+worker runs its model: LayerNorm, GELU and residual adds fused around the linears, and the paged pools read in place by the attention
 (`decode_attention` in the config: our C++ kernel, engine/native_attention.py, or the
 expression inductor compiles, engine/attention.py decode_attention_with_own). The linears
 are the model's own: its oneDNN-prepacked ones (`linears: auto`), which eager prefill steps
@@ -26,7 +25,14 @@ One graph for every step: rows, sampled rows and block-table width are dynamic, 
 to at least 2, because dynamo specialises a size of 1 into a graph of its own (each
 compiled at its first use, and a batch-of-one graph whose frozen fp32 linears inductor
 would put on MKL rather than oneDNN). The pools' shapes never change, so they are static.
-warm_up compiles that one graph before the engine serves.
+The same graph serves every torch thread count (engine/inductor.py). warm_up compiles it,
+before the engine serves or while it serves eager steps (engine/graph_compile.py).
+
+The weights are the graph's inputs, not constants frozen into it, wherever the linears are
+our prepacked ones: then inductor's disk caches hold the compiled graph, and a later
+process loads it in seconds rather than compiling it again. `linears: reference` freezes
+them, as inductor prepacks an nn.Linear's weight only as a constant; it compiles in every
+process.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ import logging
 import time
 
 import torch
+from torch import nn
 
 from engine.attention import decode_attention_with_own
 from engine.inductor import compile_for
@@ -76,13 +83,13 @@ def decode_step(model: GPT2LMHead, attention: DecodeAttention, argmax: bool, inp
 class DecodeGraph:
     def __init__(self, model: GPT2LMHead, device: torch.device, attention: DecodeAttention,
                  argmax_in_graph: bool = True):
-        # freezing also lowers the prepacked linears: inductor takes their weights only as constants
         self.attention = attention
         self.native_write = attention is not decode_attention_with_own  # our kernels are built: write with ours too
         step = functools.partial(decode_step, model, attention, argmax_in_graph)
         # On CPU the kernels are called from C++, not Python
         # (BENCHMARKS.md, "Designs shipped": around the decode graph).
-        self._compiled = compile_for(device, step, dynamic=True, freezing=True, cpp_wrapper=device.type == "cpu")
+        freezing = any(isinstance(module, nn.Linear) for module in model.modules())  # inductor packs only constants
+        self._compiled = compile_for(device, step, dynamic=True, freezing=freezing, cpp_wrapper=device.type == "cpu")
         self.num_steps = 0  # steps run through the graph
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_pool: torch.Tensor,
@@ -113,11 +120,10 @@ class DecodeGraph:
         def zeros(*shape: int) -> torch.Tensor:  # distinct tensors: dynamo guards on aliasing
             return torch.zeros(shape, dtype=torch.int64, device=kv_pool.device)
 
-        start = time.monotonic()
+        start, threads = time.monotonic(), torch.get_num_threads()  # what inductor's heuristics read
         self._run(zeros(rows), zeros(rows), kv_pool, zeros(rows, width), torch.arange(rows, device=kv_pool.device),
                   torch.arange(sampled, device=kv_pool.device))
-        logger.info("decode graph compiled in %.1f s (torch threads: %d)", time.monotonic() - start,
-                    torch.get_num_threads())
+        logger.info("decode graph compiled in %.1f s (torch threads: %d)", time.monotonic() - start, threads)
 
     def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_pool: torch.Tensor, block_tables: torch.Tensor,
              first_rows: torch.Tensor, logits_indices: torch.Tensor,

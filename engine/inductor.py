@@ -8,11 +8,17 @@ machine (CI's AVX2-emulated step after its AVX-512 one) then reuses C++ tiled fo
 AVX-512 vectors and builds it with 8-lane AVX2 types: out-of-bounds loads and stores,
 NaNs, heap corruption. `cpp.simdlen` from the probe puts the width into the config, so
 into the cache key, and caps inductor at what RAYINFER_CPU_ISA allows.
+
+One compiled graph for every thread count: inductor's C++ takes the OpenMP thread count
+at each call (`cpp.dynamic_threads`) rather than baking in the compiling thread's, and
+dynamo keeps no guard on torch's thread count (nor on the rest of the global state it
+guards as one: grad mode keeps its own guard). So a step on one thread (engine/step_threads.py)
+runs the graph a step on two compiled, and the graph is compiled once, not once per count.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -33,20 +39,37 @@ def compile_for(device: torch.device, fn: Callable, dynamic: bool | None = None,
     microseconds less per kernel (the decode graph calls ~150 a step).
 
     freezing is set around each call, not passed in torch.compile's options: inductor reads it
-    before applying those, and a recompile (a new shape) happens inside a later call.
+    before applying those, and a recompile (a new shape) happens inside a later call. A frozen
+    graph is compiled anew in each process (inductor's FX graph cache skips frozen graphs);
+    one that takes its weights as inputs is loaded from that cache (and AOTAutograd's) by
+    any later process on this machine, keyed by the graph, its input shapes and dtypes, the
+    inductor config (the vector width: inductor_options) and torch's version.
+
+    Floats stay constants around each call too (specialize_float): with dynamic=True dynamo
+    first traces a module's float attributes (LayerNorm's eps) as symbols, then restarts the
+    whole trace when inductor cannot keep them, a second trace of the model every compile.
+    The patches are process-wide: a compile on another thread meanwhile may restart once.
     """
     if cpp_wrapper:
         _cache_cpp_wrappers_across_processes()
     options = {**inductor_options(device), **({"cpp_wrapper": True} if cpp_wrapper else {})}
+    if device.type == "cpu":
+        options |= {"cpp.dynamic_threads": True, "guard_filter_fn": _without_global_state}
     compiled = torch.compile(fn, dynamic=dynamic, options=options)
-    if not freezing:
-        return compiled
 
-    def frozen(*args):
-        with torch._inductor.config.patch(freezing=True):
+    def with_settings(*args):
+        with torch._inductor.config.patch(freezing=freezing), torch._dynamo.config.patch(specialize_float=True):
             return compiled(*args)
 
-    return frozen
+    return with_settings
+
+
+def _without_global_state(guards: Sequence) -> list[bool]:
+    """Every guard dynamo builds but the global state's, which holds torch's thread count.
+
+    Safe for our graphs: each is called from one place, under the same modes (inference
+    mode, default dtype) every time, and their C++ reads the thread count at each call."""
+    return [guard.guard_type != "GLOBAL_STATE" for guard in guards]
 
 
 def _cache_cpp_wrappers_across_processes() -> None:

@@ -8,6 +8,12 @@ pages the blocks of a head share a handful of pages (BENCHMARKS.md, "Designs shi
 decode graph).
 Only the pool is advised, not the process (PyTorch's THP_MEM_ALLOC_ENABLE would advise every
 allocation of 2 MB or more).
+
+The pool is an anonymous mapping of its own, which the kernel hands out zeroed, page by page
+at each page's first touch: zeroing gigabytes up front was seconds of an engine's start (more
+on a busy machine), now spread over the steps that first use each 2 MB of blocks. Zero
+matters: attention reads a block's unwritten slots, masked out, and a NaN there would not
+stay masked (0 x NaN). The allocator's memory would be zero only where it maps it afresh.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import ctypes
 import ctypes.util
 import functools
 import logging
+import mmap
 import sys
 
 import torch
@@ -27,21 +34,19 @@ MADV_HUGEPAGE = 14  # <sys/mman.h> on Linux
 
 
 def allocate(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, huge_pages: bool = True) -> torch.Tensor:
-    """A zeroed tensor of `shape`. On a Linux CPU, where it spans a huge page or more, its
-    memory is advised for huge pages before the first touch (zeroing it faults the pages in,
-    huge where the kernel can find them)."""
+    """A zeroed tensor of `shape`. On a Linux CPU, where it spans a huge page or more, an
+    untouched anonymous mapping, advised for huge pages before its first touch (each fault
+    then maps a 2 MB page where the kernel can find one)."""
     nbytes = dtype.itemsize * torch.Size(shape).numel()
     madvise = _madvise()
-    if not huge_pages or device.type != "cpu" or madvise is None or nbytes < HUGE_PAGE:
+    if device.type != "cpu" or madvise is None or nbytes < HUGE_PAGE:
         return torch.zeros(shape, dtype=dtype, device=device)
-    # Untouched memory (glibc serves an allocation this large with mmap), aligned to a huge
-    # page: the advice then holds for every fault to come.
-    raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
-    offset = -raw.data_ptr() % HUGE_PAGE
+    raw = torch.frombuffer(mmap.mmap(-1, nbytes + HUGE_PAGE), dtype=torch.uint8)  # the tensor keeps the map
+    offset = -raw.data_ptr() % HUGE_PAGE  # aligned to a huge page: the advice holds for every fault to come
     region = raw[offset : offset + nbytes]
-    if madvise(ctypes.c_void_p(region.data_ptr()), ctypes.c_size_t(nbytes), MADV_HUGEPAGE) != 0:
+    if huge_pages and madvise(ctypes.c_void_p(region.data_ptr()), ctypes.c_size_t(nbytes), MADV_HUGEPAGE) != 0:
         logger.info("KV pool on 4 KB pages: madvise(MADV_HUGEPAGE) refused (errno %d)", ctypes.get_errno())
-    return region.view(dtype).view(shape).zero_()
+    return region.view(dtype).view(shape)
 
 
 @functools.cache

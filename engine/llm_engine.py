@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -13,6 +14,7 @@ from engine.config import EngineConfig, LinearsMode
 from engine.cpu import cpu_features
 from engine.cuda_graphs import CudaGraphDecode
 from engine.decode_graph import DecodeGraph
+from engine.graph_compile import BackgroundCompile
 from engine.heap import limit_onednn_caches
 from engine.kernel_choice import decode_attention, sampler_draw, small_batch_linear
 from engine.loader import ModelSource, load_state_dict, resolve_model
@@ -20,6 +22,7 @@ from engine.token_logprob import TokenLogprob
 from engine.model_runner import ModelOutput, ModelRunner
 from engine.models.gpt2 import GPT2LMHead
 from engine.packed_linear import can_pack
+from engine.progress import progress
 from engine.outputs import EngineStats, ModelInfo, StepOutput
 from engine.request_rules import check_context, check_kv_blocks, check_params, check_prompt, check_request_id_free
 from engine.sampler import Sampler
@@ -37,14 +40,20 @@ _TYPICAL_DECODE_BATCH = 32  # the rows the decode graph is compiled at (its heur
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, compile_in_background: bool = False,
+                 on_compiled: Callable[[], None] | None = None):
+        """compile_in_background: the CPU decode graph compiles on a thread of its own
+        (engine/graph_compile.py) while steps run eagerly, and steps take it from the first
+        step after it is ready (take_compiled_graph); otherwise it compiles here, before the
+        engine serves. on_compiled: called on that thread when it is done."""
         self.config = config
         graphed = config.decode_graphed  # resolved where the engine runs: refuses cuda_graphs: true off CUDA
         limit_onednn_caches()
         self.step_threads = _set_up_threads(config)
-        source = resolve_model(config.model, config.weights)
-        model = build_model(source, config.torch_dtype, config.torch_device, config.seed, config.linears,
-                            few_rows=small_batch_linear(config))
+        with progress(f"loading {config.model} ({config.weights} weights) and our C++ kernels"):
+            source = resolve_model(config.model, config.weights)
+            model = build_model(source, config.torch_dtype, config.torch_device, config.seed, config.linears,
+                                few_rows=small_batch_linear(config))
         hf = source.config
         self.max_model_len = min(config.max_model_len or hf.n_positions, hf.n_positions)
         self.eos_token_id = hf.eos_token_id if hf.eos_token_id is not None else hf.vocab_size - 1
@@ -56,8 +65,10 @@ class LLMEngine:
         num_blocks = self._num_kv_blocks(model)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.runner = self._runner(model, num_blocks, graphed)
-        self.runner.decode_graph = self._ready(self.runner.decode_graph)
-        # the budget follows the graph the engine got: one that could not compile leaves eager steps
+        self._compile = self._start_compile(on_compiled) if compile_in_background else None
+        if self._compile is None:
+            self.runner.decode_graph, self.runner.sampler = self._ready(self.runner.decode_graph)
+        # the budget follows the graph steps take: eager steps until it is compiled, or where it cannot compile
         cpu_graph = isinstance(self.runner.decode_graph, DecodeGraph)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.step_tokens(cpu_graph))
         self._seqs: dict[str, Sequence] = {}
@@ -109,6 +120,7 @@ class LLMEngine:
 
     def step(self) -> list[StepOutput]:
         started = time.perf_counter()
+        self.take_compiled_graph()
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
@@ -206,30 +218,64 @@ class LLMEngine:
         return ModelRunner(model, num_blocks, config.block_size, sampler, config.compile_attention, graph,
                            prefill_tokens)
 
-    def _ready(self, graph: DecodeGraph | CudaGraphDecode | None) -> DecodeGraph | CudaGraphDecode | None:
-        """The decode graph compiled (or captured) now, not inside the first requests; None
-        where that fails and decode steps run eagerly."""
-        if isinstance(graph, DecodeGraph):
-            return self._warm_up(graph)
-        return None if graph is None else self._capture(graph)
+    def take_compiled_graph(self) -> None:
+        """Steps take the decode graph from now on, if its background compile has ended since
+        the last call (and it compiled; a failure was logged on the compile's thread). Called
+        at each step's start, on the step loop's thread only."""
+        if self._compile is None or not self._compile.is_done:
+            return
+        compiled, started = self._compile.take(), self._compile.started
+        self._compile = None
+        if compiled is None:
+            return
+        graph, self.runner.sampler = compiled
+        if graph is None:
+            return
+        self.runner.decode_graph = graph
+        self.scheduler.max_num_batched_tokens = self.config.step_tokens(cpu_graph=True)
+        logger.info("decode graph ready after %.1f s; steps now compiled", time.monotonic() - started)
 
-    def _warm_up(self, graph: DecodeGraph) -> DecodeGraph | None:
-        """The graph and the sampler's draw compiled now, not inside the first requests; None
-        (eager decode steps and sampling, logged) where the graph cannot compile here, e.g. no
-        C++ compiler for inductor. A draw that cannot compile alone runs eagerly beside the graph."""
+    def wait_for_compile(self, timeout_s: float | None = None) -> bool:
+        """Block until no background compile is running (True) or timeout_s passes (False);
+        any thread may call it. Steps take the graph from the next one."""
+        pending = self._compile
+        return pending is None or pending.wait(timeout_s)
+
+    def _start_compile(self, on_compiled: Callable[[], None] | None) -> BackgroundCompile | None:
+        """The CPU decode graph and the sampler's draw compiling on a thread of their own, eager
+        steps meanwhile; None where there is no such graph (CUDA graphs capture here)."""
+        graph, sampler = self.runner.decode_graph, self.runner.sampler
+        if not isinstance(graph, DecodeGraph):
+            return None
+        self.runner.decode_graph, self.runner.sampler = None, self._eager(sampler)
+        return BackgroundCompile(functools.partial(self._warm_up, graph, sampler), self.config.cpu_threads,
+                                 "the decode graph", on_compiled)
+
+    def _ready(self, graph: DecodeGraph | CudaGraphDecode | None) -> tuple[DecodeGraph | CudaGraphDecode | None, Sampler]:
+        """The decode graph compiled (or captured) now, not inside the first requests, and the
+        sampler to run beside it; None where that fails and decode steps run eagerly."""
+        if isinstance(graph, DecodeGraph):
+            with progress("compiling the decode graph"):
+                return self._warm_up(graph, self.runner.sampler)
+        return None if graph is None else self._capture(graph), self.runner.sampler
+
+    def _warm_up(self, graph: DecodeGraph, sampler: Sampler) -> tuple[DecodeGraph | None, Sampler]:
+        """The graph and the sampler's draw compiled now, not inside the first requests, once
+        for every torch thread count (engine/inductor.py); None and an eager sampler (eager
+        decode steps and sampling, logged) where the graph cannot compile here, e.g. no C++
+        compiler for inductor. A draw that cannot compile alone runs eagerly beside the graph.
+        Touches no engine state: it runs on the background compile's thread too."""
         try:
-            self._at_each_thread_count(
-                lambda: graph.warm_up(self.runner.kv_pool, min(self.config.max_num_seqs, _TYPICAL_DECODE_BATCH)))
+            graph.warm_up(self.runner.kv_pool, min(self.config.max_num_seqs, _TYPICAL_DECODE_BATCH))
         except Exception as exc:  # noqa: BLE001 - any compile failure: serve on the eager path
             logger.warning("compile_decode: the decode graph did not compile (%r); decode steps run eagerly", exc)
-            self._eager_sampler()
-            return None
+            return None, self._eager(sampler)
         try:
-            self._at_each_thread_count(lambda: self.runner.sampler.warm_up(self.model_info.vocab_size))
+            sampler.warm_up(self.model_info.vocab_size)
         except Exception as exc:  # noqa: BLE001 - as the graph's
             logger.warning("compile_decode: the sampler's draw did not compile (%r); it runs on eager torch ops", exc)
-            self._eager_sampler()
-        return graph
+            return graph, self._eager(sampler)
+        return graph, sampler
 
     def _capture(self, graphs: CudaGraphDecode) -> CudaGraphDecode | None:
         """The CUDA graphs captured now. Where the compiled step cannot compile or capture,
@@ -244,20 +290,13 @@ class LLMEngine:
             return None
         return graphs
 
-    def _at_each_thread_count(self, compile_now: Callable[[], None]) -> None:
-        """Compile at every thread count steps run at (step_threads): dynamo guards on torch's
-        thread count, so a one-thread step runs a variant of its own, which would otherwise
-        compile inside the first such step."""
-        compile_now()  # at the engine's own count, set already
-        for threads in self.step_threads.counts()[1:]:
-            self.step_threads.use(threads)
-            try:
-                compile_now()
-            finally:
-                self.step_threads.use(self.step_threads.cpu_threads)
-
-    def _eager_sampler(self) -> None:
-        self.runner.sampler = Sampler(self.config.seed, self.config.torch_device, native=self.runner.sampler.native)
+    def _eager(self, sampler: Sampler) -> Sampler:
+        """The sampler, or where its draw is compiled an eager one drawing from its random stream."""
+        if not sampler.is_compiled:
+            return sampler
+        eager = Sampler(self.config.seed, self.config.torch_device, native=sampler.native)
+        eager.generator = sampler.generator  # one stream across the switch to the compiled draw
+        return eager
 
     def _num_kv_blocks(self, model: GPT2LMHead) -> int:
         config = self.config

@@ -1,6 +1,7 @@
 """Messages into and out of the step loop thread (engine/step_loop.py).
 
-In, from any thread through the inbox: AddRequest, AbortRequest, InjectFault, CheckIntegrity.
+In, from any thread through the inbox: AddRequest, AbortRequest, InjectFault, CheckIntegrity,
+GraphCompiled.
 Out, called on the event loop of the request(s) they concern: StepOutputs,
 RequestRejected, EngineFailed.
 """
@@ -44,7 +45,13 @@ class CheckIntegrity:
     done: concurrent.futures.Future
 
 
-InMessage = AddRequest | AbortRequest | InjectFault | CheckIntegrity
+@dataclass(frozen=True)
+class GraphCompiled:
+    """The decode graph's background compile has ended: steps take the graph from now on,
+    even when none runs until the next request (the log then says when it happened)."""
+
+
+InMessage = AddRequest | AbortRequest | InjectFault | CheckIntegrity | GraphCompiled
 
 
 @dataclass(frozen=True)

@@ -19,10 +19,11 @@ from engine.heap import trim_heap
 from engine.inbox import Inbox
 from engine.llm_engine import LLMEngine
 from engine.messages import (
-    AbortRequest, AddRequest, CheckIntegrity, EngineFailed, InjectFault, InMessage, OutMessage, RequestRejected,
-    StepOutputs,
+    AbortRequest, AddRequest, CheckIntegrity, EngineFailed, GraphCompiled, InjectFault, InMessage, OutMessage,
+    RequestRejected, StepOutputs,
 )
 from engine.outputs import EngineDeadError, EngineStats, StepOutput
+from engine.progress import progress
 
 logger = logging.getLogger(__name__)
 
@@ -86,8 +87,11 @@ class StepLoop:
 
     def _run(self, ready: threading.Event, init_error: list[BaseException]) -> None:
         try:
-            self.engine = LLMEngine(self.config)
-            self.engine.warmup()
+            # serving starts on eager steps; the compiled graph joins when ready
+            self.engine = LLMEngine(self.config, compile_in_background=True,
+                                    on_compiled=lambda: self._inbox.put(GraphCompiled()))
+            with progress("a warm-up request through prefill and decode"):
+                self.engine.warmup()
             self.stats = self.engine.stats()
         except BaseException as exc:  # noqa: BLE001 - re-raised by __init__
             init_error.append(exc)
@@ -149,6 +153,8 @@ class StepLoop:
                 self._loops.pop(request_id, None)
             case InjectFault(error):
                 self._fault = error
+            case GraphCompiled():
+                self.engine.take_compiled_graph()
             case CheckIntegrity(done):
                 try:
                     self.engine.check_integrity()

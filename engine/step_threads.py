@@ -11,12 +11,13 @@ second thread is worth more (BENCHMARKS.md, "Designs shipped": one thread for on
 `auto`, the default everywhere, the offline `LLM` included). 0 keeps every step on every thread.
 
 The count is per OS thread (OpenMP's nthreads ICV, which torch.set_num_threads sets for
-the calling thread), so it is tracked per thread: the step loop's, or a caller's.
+the calling thread): the step loop's, or a caller's. It is read back before each set rather
+than remembered, as it can change under its thread: the first ATen parallel loop in each
+library (our kernels, an inductor graph) sets the calling thread's count to the one any
+thread set last, which a background compile (engine/graph_compile.py) may have.
 """
 
 from __future__ import annotations
-
-import threading
 
 import torch
 
@@ -25,7 +26,6 @@ class StepThreads:
     def __init__(self, cpu_threads: int, one_thread_max_tokens: int):
         self.cpu_threads = cpu_threads
         self.one_thread_max_tokens = one_thread_max_tokens
-        self._current = threading.local()
 
     def for_step(self, num_tokens: int) -> None:
         """Set the calling thread's torch threads for a step of `num_tokens` tokens."""
@@ -39,6 +39,5 @@ class StepThreads:
 
     def use(self, threads: int) -> None:
         """Set the calling thread's torch threads to `threads`."""
-        if getattr(self._current, "threads", None) != threads:
+        if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
-            self._current.threads = threads

@@ -55,3 +55,16 @@ def record_steps(engine) -> list[list[int]]:
 
     engine.runner.run = recording
     return steps
+
+
+def record_threads(engine) -> list[tuple[int, int]]:
+    """Each step's (tokens, torch threads of the thread running it)."""
+    steps: list[tuple[int, int]] = []
+    run = engine.runner.run
+
+    def recording(batch):
+        steps.append((sum(batch.num_new_tokens), torch.get_num_threads()))
+        return run(batch)
+
+    engine.runner.run = recording
+    return steps

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine import LLM, EngineConfig, SamplingParams
-from tests.engine_helpers import mixed_prompts
+from tests.engine_helpers import mixed_prompts, record_threads
 
 pytestmark = pytest.mark.usefixtures("restore_torch_threads")
 
@@ -20,19 +20,6 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 def make_llm(model_dir, **config) -> LLM:
     return LLM(str(model_dir), weights="pretrained", dtype="float32", device="cpu", linears="reference",
                num_threads=2, **config, compile_decode=False)
-
-
-def record_threads(engine) -> list[tuple[int, int]]:
-    """Each step's (tokens, torch threads of the thread running it)."""
-    steps: list[tuple[int, int]] = []
-    run = engine.runner.run
-
-    def recording(batch):
-        steps.append((sum(batch.num_new_tokens), torch.get_num_threads()))
-        return run(batch)
-
-    engine.runner.run = recording
-    return steps
 
 
 def test_steps_of_one_token_run_on_one_thread_and_give_the_same_tokens(tiny_gpt2_dir):
