@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -90,11 +91,22 @@ print(len(llm.generate(["Hi"], SamplingParams(max_tokens=4, ignore_eos=True))[0]
     assert "small_batch_linear: our C++ kernel is not available" in done.stderr
 
 
-@pytest.fixture
-def uninstalled(tmp_path) -> Path:
+@pytest.fixture(scope="module")
+def builds(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A build root of this module's own (TORCH_EXTENSIONS_DIR, here and in the processes it
+    starts): another checkout's engines, building from other sources in the shared one,
+    would rewrite the build under these tests."""
+    root = tmp_path_factory.mktemp("builds")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TORCH_EXTENSIONS_DIR", str(root))
+        yield root
+
+
+@pytest.fixture(scope="module")
+def uninstalled(tmp_path_factory: pytest.TempPathFactory, builds: Path) -> Path:
     """A checkout without the installed libraries, whose kernels were built by an engine
     before (so the next process only loads that build)."""
-    checkout = clone(tmp_path, with_libraries=False)
+    checkout = clone(tmp_path_factory.mktemp("uninstalled"), with_libraries=False)
     run_in(checkout, _LOAD)
     return checkout
 
