@@ -289,6 +289,19 @@ def test_past_the_waiting_bound_requests_get_429_with_retry_after_and_queued_one
         assert (stream.status, stream.payloads[-1], stream.error) == (200, "[DONE]", None)
 
 
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/v1/completions", greedy(PROMPTS, max_tokens=2), "prompt"),
+    ("/v1/completions", greedy(PROMPTS[0], max_tokens=2, n=3), "n"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "n": 3}, "n"),
+])
+def test_a_request_that_can_never_fit_the_waiting_bounds_is_a_400_naming_the_limit(http: httpx.Client, path: str,
+                                                                                   body: dict, param: str) -> None:
+    """On an idle engine: 3 engine requests (prompts x n) where 2 may wait. A 429 would send
+    the client back for a retry that can never pass."""
+    error = assert_openai_error(http.post(path, json=body), 400, "invalid_request_error", param)
+    assert "max_waiting_requests (2)" in error["message"]
+
+
 def test_the_proxy_sheds_requests_past_the_ingress_queue_with_429(base_url: str) -> None:
     async def scenario(http: httpx.AsyncClient):
         release = asyncio.Event()
