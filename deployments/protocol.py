@@ -184,8 +184,9 @@ class ChatBody(SamplingBody, ChatRefusals):
 
     def encode_requests(self, max_model_len: int) -> list[EncodeRequest]:
         messages = [ChatMessage(m.role, m.text) for m in self.messages]
+        named = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
         return [EncodeRequest(messages=messages, max_tokens=self.max_completion_tokens or self.max_tokens,
-                              max_model_len=max_model_len)]
+                              max_model_len=max_model_len, max_tokens_param=named)]
 
     def choice_params(self, max_tokens: int, index: int) -> SamplingParams:
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
@@ -202,7 +203,8 @@ class GenerateBody(_Body):
     stop_on_eos: bool = True
 
     def encode_request(self, max_model_len: int) -> EncodeRequest:
-        return EncodeRequest(prompt=self.prompt, max_tokens=self.max_new_tokens, max_model_len=max_model_len)
+        return EncodeRequest(prompt=self.prompt, max_tokens=self.max_new_tokens, max_model_len=max_model_len,
+                             max_tokens_param="max_new_tokens")
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,

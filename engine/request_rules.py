@@ -46,15 +46,17 @@ def check_params(params: object, vocab_size: int) -> None:
                                   "the engine runs one per request: submit each of params.fan_out()", "n")
 
 
-def check_context(num_prompt_tokens: int, max_tokens: int, max_model_len: int, param: str = "prompt") -> None:
-    """Prompt and output within the context (max_tokens 0: the prompt alone, scored)."""
+def check_context(num_prompt_tokens: int, max_tokens: int, max_model_len: int, param: str = "prompt",
+                  max_tokens_param: str = "max_tokens") -> None:
+    """Prompt and output within the context (max_tokens 0: the prompt alone, scored); the
+    params name the request's fields for each (/generate calls max_tokens max_new_tokens)."""
     if num_prompt_tokens + max_tokens <= max_model_len:
         return
     if num_prompt_tokens >= max_model_len:
         raise InvalidRequestError(f"{param} is {num_prompt_tokens} tokens, the model's context is {max_model_len}: "
                                   "no room to generate", param, CONTEXT_LENGTH_EXCEEDED)
-    raise InvalidRequestError(f"{param} ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds the "
-                              f"model's context of {max_model_len} tokens", "max_tokens", CONTEXT_LENGTH_EXCEEDED)
+    raise InvalidRequestError(f"{param} ({num_prompt_tokens} tokens) + {max_tokens_param} ({max_tokens}) exceeds the "
+                              f"model's context of {max_model_len} tokens", max_tokens_param, CONTEXT_LENGTH_EXCEEDED)
 
 
 def check_kv_blocks(num_tokens: int, block_size: int, num_blocks: int) -> None:

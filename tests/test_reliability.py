@@ -146,7 +146,10 @@ async def fill_the_engine(http: httpx.AsyncClient) -> list[Stream]:
         ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user"}]}, "messages"),
         ("/v1/chat/completions", {"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}, "model"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5000}, "max_tokens"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 5000},
+         "max_completion_tokens"),
         ("/generate", {"prompt": "", "max_new_tokens": 4}, "prompt"),
+        ("/generate", {"prompt": "hi", "max_new_tokens": 1024}, "max_new_tokens"),  # beyond the context
         ("/generate", {"prompt": "hi", "temperature": None}, "temperature"),
     ],
 )
