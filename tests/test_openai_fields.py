@@ -367,21 +367,17 @@ def test_a_unicode_digit_as_a_logit_bias_key_is_a_400_naming_logit_bias(http: ht
     assert_openai_error(http.post(path, json=body), 400, "invalid_request_error", "logit_bias")
 
 
-@pytest.mark.parametrize("number", [2**63, -(2**63) - 1], ids=["2**63", "-2**63-1"])
-@pytest.mark.parametrize(("body", "base", "field", "shape"), INT_FIELDS,
-                         ids=[f"{b.__name__}.{f}-{s}" for b, _, f, s in INT_FIELDS])
-def test_an_integer_past_int64_in_any_field_is_a_400_naming_it(http: httpx.Client, body, base: dict, field: str,
-                                                                shape: str, number: int) -> None:
-    response = post_raw(http, ROUTES[body], with_field(base, field, shape.format(number)))
-    assert_openai_error(response, 400, "invalid_request_error", field)
+EDGE_VALUES = [  # (body, the rest of a valid body, field, its raw JSON value)
+    *[(b, base, f, shape.format(n)) for b, base, f, shape in INT_FIELDS for n in (2**63, -(2**63) - 1)],
+    *[(b, base, f, shape.format(v)) for b, base, f, shape in FLOAT_FIELDS for v in ("NaN", "Infinity", "-Infinity")],
+]
 
 
-@pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity"])
-@pytest.mark.parametrize(("body", "base", "field", "shape"), FLOAT_FIELDS,
-                         ids=[f"{b.__name__}.{f}" for b, _, f, _ in FLOAT_FIELDS])
-def test_nan_and_infinity_in_any_float_field_are_a_400_naming_it(http: httpx.Client, body, base: dict, field: str,
-                                                                  shape: str, literal: str) -> None:
-    response = post_raw(http, ROUTES[body], with_field(base, field, shape.format(literal)))
+@pytest.mark.parametrize(("body", "base", "field", "value"), EDGE_VALUES,
+                         ids=[f"{b.__name__}.{f}={v}" for b, _, f, v in EDGE_VALUES])
+def test_past_int64_nan_and_infinity_in_any_numeric_field_are_a_400_naming_it(
+        http: httpx.Client, body, base: dict, field: str, value: str) -> None:
+    response = post_raw(http, ROUTES[body], with_field(base, field, value))
     assert_openai_error(response, 400, "invalid_request_error", field)
 
 
