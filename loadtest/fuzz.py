@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import httpx
 import hypothesis
+import requests
 import schemathesis
 from hypothesis import strategies as st
 from schemathesis import Case, GenerationMode
@@ -95,7 +96,10 @@ def fuzz(base_url: str, headers: dict[str, str], max_examples: int, tally: Tally
     and the smallest would be an innocent one."""
 
     def send(case: Case) -> None:
-        response = case.call(base_url=base_url, headers=headers, timeout=TIMEOUT_S)
+        try:
+            response = case.call(base_url=base_url, headers=headers, timeout=TIMEOUT_S)
+        except requests.RequestException as exc:  # no answer at all: as much a failure as a 500
+            raise AssertionError(f"{case.method} {case.path} {_shown(case.body)}: no answer ({type(exc).__name__})")
         tally.sent[(f"{case.method} {case.path}", response.status_code)] += 1
         broken = violation(response)
         assert broken is None, f"{case.method} {case.path} {_shown(case.body)}: {broken}"
