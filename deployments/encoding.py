@@ -34,6 +34,7 @@ class EncodeRequest:
     messages: list[ChatMessage] | None = None
     max_tokens: int | None = None  # None: the rest of the context
     max_model_len: int = 1024
+    max_tokens_param: str = "max_tokens"  # the body's name for it, which an error names
 
     @property
     def param(self) -> str:
@@ -84,7 +85,7 @@ class Encoder:
             check_prompt(token_ids or [], self._vocab_size, param)
             # None: the rest of the context, at least one token (none left: no room to generate).
             max_tokens = request.max_tokens if request.max_tokens is not None else max(context - len(token_ids), 1)
-            check_context(len(token_ids), max_tokens, context, param)
+            check_context(len(token_ids), max_tokens, context, param, request.max_tokens_param)
         except InvalidRequestError as error:
             return EncodeError(str(error), error.param, error.code)
         return Encoded(list(token_ids), max_tokens)

@@ -10,7 +10,17 @@ FastAPI's 422, never a bare 500 for bad input):
     429  rate_limit_exceeded     the engine's waiting bounds or its Serve queue are full;
                                  Retry-After says when to come back
     503  server_error            the engine crashed or a replica is being replaced; Retry-After
-    500  server_error            anything else (logged, without the request's content)
+    500  server_error            anything else (logged by type and request id, never content)
+
+Numbers at the edges of JSON, each a 400 on purpose (the ranges: engine/sampling_limits.py):
+- NaN, Infinity and -Infinity parse (as Python's json reads them), and every numeric field
+  refuses them: param names the field.
+- An integer past its field's range, int64's included, names the field; one of more than
+  4300 digits is past what the parser reads ("number out of range"), param null.
+- A key given twice in one object names the top-level field it is in (http_body.py).
+- logit_bias keys are ASCII decimal token ids; "²", "①", "07", "-1" name logit_bias.
+- A request that can never be admitted under the engine's overload bounds (prompts x n past
+  max_waiting_requests, their tokens past max_waiting_tokens) names prompt, messages or n.
 """
 
 from __future__ import annotations
@@ -69,7 +79,8 @@ def unavailable(message: str) -> ApiError:
                     retry_after_s=_RETRY_AFTER_UNAVAILABLE_S)
 
 
-def as_api_error(exc: BaseException) -> ApiError:
+def as_api_error(exc: BaseException, request_id: str | None = None) -> ApiError:
+    """The error in OpenAI's shape; an unexpected one is logged by its type and request_id."""
     # An error raised in another replica arrives as a RayTaskError holding it as `cause`.
     cause = getattr(exc, "cause", None) or exc
     if isinstance(cause, ApiError):
@@ -87,13 +98,15 @@ def as_api_error(exc: BaseException) -> ApiError:
     if isinstance(cause, ValueError):
         return ApiError(400, str(cause))
     # The type only: a message or traceback could quote the request.
-    logger.error("request failed: %s", type(cause).__name__)
+    logger.error("request %s failed: %s", request_id or "(before its id)", type(cause).__name__)
     return ApiError(500, "internal error", "server_error")
 
 
 _MESSAGES = {
     "model_type": "the body must be a JSON object",
     "extra_forbidden": "unknown field: docs/api.md's field table lists every field rayinfer takes",
+    # the bodies' one pattern: token ids as logit_bias's keys (deployments/protocol.py, TokenIdKey)
+    "string_pattern_mismatch": 'keys must be token ids: ASCII decimal digits, no sign or leading zero (e.g. "50256")',
 }
 
 

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Field
 from pydantic.fields import FieldInfo
 
 from deployments.encoding import ChatMessage, EncodeRequest, apply_chat_template
 from deployments.errors import ApiError
 from deployments.unsupported import NO_CHAT_TEMPLATE, NO_TOOLS, ChatRefusals, CompletionRefusals, refused
 from engine import SamplingParams
+from engine.sampling_params import nth_seed
 from engine import sampling_limits as limits
 from engine.sampling_limits import MAX_STOP_STRINGS, Bound
 
@@ -42,6 +43,10 @@ def within(bound: Bound, **tighter: float) -> FieldInfo:
 Penalty = Annotated[float, within(limits.PENALTY)]
 TokenId = Annotated[int, within(limits.TOKEN_ID)]
 Logprobs = Annotated[int, within(limits.LOGPROBS)]
+# A token id as JSON object keys must be: ASCII decimal digits, no sign, no leading zero (so
+# two keys never name one token), at most int64's 19 digits. Python's int() would also take
+# " 7", "+7", "07" and Unicode digits such as "٧", and fail on "²".
+TokenIdKey = Annotated[str, Field(pattern=r"^(0|[1-9][0-9]{0,18})$")]
 
 
 class SamplingBody(_Body):
@@ -63,7 +68,7 @@ class SamplingBody(_Body):
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     repetition_penalty: Annotated[float, within(limits.REPETITION_PENALTY)] | None = None
-    logit_bias: dict[str, Annotated[float, within(limits.LOGIT_BIAS)]] | None = None
+    logit_bias: dict[TokenIdKey, Annotated[float, within(limits.LOGIT_BIAS)]] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # OpenAI: an end-user id for abuse monitoring; no effect on output
@@ -85,14 +90,11 @@ class SamplingBody(_Body):
         """The rules across fields, each a 400 naming the field."""
         if self.stream_options is not None and not self.stream:
             raise ApiError(400, "stream_options: only allowed with stream true", param="stream_options")
-        if any(not key.isdigit() for key in self.logit_bias or {}):
-            raise ApiError(400, "logit_bias: keys must be token ids (decimal integers as strings)",
-                           param="logit_bias")
 
     def sampling_params(self, max_tokens: int, index: int, logprobs: int | None = None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
-        seed = None if self.seed is None else self.seed + index  # n choices must differ
+        seed = nth_seed(self.seed, index)  # n choices must differ
         return SamplingParams(
             max_tokens=max_tokens, temperature=_or(self.temperature, 1.0), top_p=_or(self.top_p, 1.0),
             top_k=_or(self.top_k, 0), min_p=_or(self.min_p, 0.0), seed=seed, stop=tuple(stop),
@@ -108,7 +110,7 @@ def _or(value, default):
 
 
 TextPrompt = Annotated[str, Field(min_length=1)]
-IdsPrompt = Annotated[list[StrictInt], Field(min_length=1)]
+IdsPrompt = Annotated[list[TokenId], Field(min_length=1)]
 
 
 class CompletionBody(SamplingBody, CompletionRefusals):
@@ -182,8 +184,9 @@ class ChatBody(SamplingBody, ChatRefusals):
 
     def encode_requests(self, max_model_len: int) -> list[EncodeRequest]:
         messages = [ChatMessage(m.role, m.text) for m in self.messages]
+        named = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
         return [EncodeRequest(messages=messages, max_tokens=self.max_completion_tokens or self.max_tokens,
-                              max_model_len=max_model_len)]
+                              max_model_len=max_model_len, max_tokens_param=named)]
 
     def choice_params(self, max_tokens: int, index: int) -> SamplingParams:
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
@@ -200,7 +203,8 @@ class GenerateBody(_Body):
     stop_on_eos: bool = True
 
     def encode_request(self, max_model_len: int) -> EncodeRequest:
-        return EncodeRequest(prompt=self.prompt, max_tokens=self.max_new_tokens, max_model_len=max_model_len)
+        return EncodeRequest(prompt=self.prompt, max_tokens=self.max_new_tokens, max_model_len=max_model_len,
+                             max_tokens_param="max_new_tokens")
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,

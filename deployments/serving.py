@@ -31,14 +31,14 @@ from deployments.generation import Choice, Generation, ServerTiming, choice_delt
 from deployments.http_body import BodyT, read_json_body
 from deployments.prompt_encoding import PromptEncoding
 from deployments import prometheus
-from deployments.protocol import DetokenizeBody, GenerateBody, OpenAIBody, TokenizeBody
+from deployments.protocol import ChatBody, DetokenizeBody, GenerateBody, OpenAIBody, TokenizeBody
 from deployments.responses import OpenAIFormat, collect, openai_body, text_stream
 from deployments.security import ApiKeys
 from deployments.sse import sse_events
 from deployments.streams import merge, prepend
 from engine import ModelInfo
 from engine.detokenizer import TokenVocab
-from engine.request_rules import check_token_ids
+from engine.request_rules import check_fits_waiting_bounds, check_token_ids
 
 HEALTH_TIMEOUT_S = 5.0
 
@@ -62,6 +62,7 @@ class Serving:
         body = await self.read(request, model)
         body.check()
         prompts, timing = await self.encode_all(body.encode_requests(self.info.max_model_len))
+        self.check_fits(prompts, body)
         request_id = fmt.id_prefix + uuid.uuid4().hex
         choices = [self.choice(body, fmt, request_id, i * body.num_choices + j, encoded, j)
                    for i, encoded in enumerate(prompts) for j in range(body.num_choices)]
@@ -70,6 +71,14 @@ class Serving:
             events = sse_events(gen, fmt, body.include_usage, body.continuous_usage)
             return StreamingResponse(events, media_type="text/event-stream")
         return await whole(openai_body(gen, fmt))
+
+    def check_fits(self, prompts: list[Encoded], body: OpenAIBody) -> None:
+        """A request whose choices could never be admitted together under the engine's
+        overload bounds is a 400 saying which, not a 429 that no retry gets past."""
+        n = body.num_choices
+        param = "n" if n > 1 else "messages" if isinstance(body, ChatBody) else "prompt"
+        check_fits_waiting_bounds(len(prompts) * n, sum(len(e.token_ids) for e in prompts) * n,
+                                  self.info.max_waiting_requests, self.info.max_waiting_tokens, param)
 
     def choice(self, body: OpenAIBody, fmt: OpenAIFormat, request_id: str, index: int, encoded: Encoded,
                seed_offset: int) -> Choice:
@@ -160,7 +169,7 @@ class Serving:
         try:
             first = await self.engine.while_up(anext(deltas))
         except Exception as exc:
-            raise as_api_error(exc) from exc
+            raise as_api_error(exc, request_id) from exc
         return Generation(request_id, self.model_name, [len(c.prompt_token_ids) for c in choices],
                           num_prompt_tokens, prepend(first, deltas), timing)
 

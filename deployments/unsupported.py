@@ -9,19 +9,22 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BaseModel, ConfigDict
+from pydantic import AfterValidator, BaseModel, ConfigDict, WithJsonSchema
 from pydantic_core import PydanticCustomError
 
 
 def refused(reason: str, *no_ops: Any) -> Any:
-    """A field type that takes null or one of `no_ops`, else fails naming `reason`."""
+    """A field type that takes null or one of `no_ops`, else fails naming `reason`; its JSON
+    schema (in /openapi.json) says so, so that a client or a fuzzer reading it knows."""
 
     def check(value: Any) -> Any:
         if value is None or any(value == v and type(value) is type(v) for v in no_ops):
             return value
         raise PydanticCustomError("unsupported", "not supported: {reason}", {"reason": reason})
 
-    return Annotated[Any, AfterValidator(check)]
+    schema = {"anyOf": [{"type": "null"}, *({"const": v} for v in no_ops)],
+              "description": f"not supported: {reason}; only null or the value that asks for nothing"}
+    return Annotated[Any, AfterValidator(check), WithJsonSchema(schema)]
 
 
 NO_TOOLS = "GPT-2 has no tool calling"

@@ -25,7 +25,7 @@ from engine.packed_linear import can_pack
 from engine.progress import progress
 from engine.outputs import EngineStats, ModelInfo, StepOutput
 from engine.request_rules import check_context, check_kv_blocks, check_params, check_prompt, check_request_id_free
-from engine.sampler import Sampler
+from engine.sampler import Sampler, SamplingBatch
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence
@@ -61,6 +61,7 @@ class LLMEngine:
             name=config.model, weights=source.weights, max_model_len=self.max_model_len,
             vocab_size=hf.vocab_size, eos_token_id=self.eos_token_id,
             dtype=str(config.torch_dtype).removeprefix("torch."), device=str(config.torch_device),
+            max_waiting_requests=config.max_waiting_requests, max_waiting_tokens=config.max_waiting_tokens,
         )
         num_blocks = self._num_kv_blocks(model)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
@@ -86,6 +87,9 @@ class LLMEngine:
         check_context(len(prompt_token_ids), params.max_tokens, self.max_model_len)
         check_kv_blocks(len(prompt_token_ids) + params.max_tokens, self.config.block_size,
                         self.block_manager.num_blocks)
+        # The request's row of the sampler's tensors, built once now on the CPU: a value they
+        # cannot hold fails this request here, not a step that batches it with others.
+        SamplingBatch.from_params([params], [None], self.model_info.vocab_size, torch.device("cpu"))
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         check_request_id_free(request_id, self._seqs)

@@ -64,10 +64,11 @@ class StepOutputs:
 
 @dataclass(frozen=True)
 class RequestRejected:
-    """The engine refused an AddRequest (LLMEngine.add_request raised)."""
+    """The engine refused an AddRequest (LLMEngine.add_request raised): a ValueError for a
+    request that can never run, anything else for a failure its values caused unexpectedly."""
 
     request_id: str
-    error: ValueError
+    error: Exception
 
 
 @dataclass(frozen=True)

@@ -54,6 +54,9 @@ class ModelInfo:
     eos_token_id: int
     dtype: str
     device: str
+    # The engine's overload bounds (EngineConfig's): what a request of several prompts must fit at once.
+    max_waiting_requests: int | None = None
+    max_waiting_tokens: int | None = None
 
 
 @dataclass(frozen=True)

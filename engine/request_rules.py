@@ -32,9 +32,13 @@ def check_token_ids(token_ids: Iterable[object], vocab_size: int, param: str) ->
         raise InvalidRequestError(f"{param}: token ids must be integers in [0, {vocab_size})", param)
 
 
-def check_params(params: SamplingParams, vocab_size: int) -> None:
-    """What SamplingParams cannot check alone: token ids against the vocabulary, and one
+def check_params(params: object, vocab_size: int) -> None:
+    """Each field within its limit again (the params may not have been constructed here),
+    then what SamplingParams cannot check alone: token ids against the vocabulary, and one
     sequence per engine request."""
+    if not isinstance(params, SamplingParams):
+        raise InvalidRequestError(f"params must be SamplingParams, got {type(params).__name__}", "params")
+    params.validate()
     check_token_ids(params.stop_token_ids, vocab_size, "stop_token_ids")
     check_token_ids(params.logit_bias or (), vocab_size, "logit_bias")
     if params.num_sequences > 1 or params.best_of is not None:
@@ -42,15 +46,17 @@ def check_params(params: SamplingParams, vocab_size: int) -> None:
                                   "the engine runs one per request: submit each of params.fan_out()", "n")
 
 
-def check_context(num_prompt_tokens: int, max_tokens: int, max_model_len: int, param: str = "prompt") -> None:
-    """Prompt and output within the context (max_tokens 0: the prompt alone, scored)."""
+def check_context(num_prompt_tokens: int, max_tokens: int, max_model_len: int, param: str = "prompt",
+                  max_tokens_param: str = "max_tokens") -> None:
+    """Prompt and output within the context (max_tokens 0: the prompt alone, scored); the
+    params name the request's fields for each (/generate calls max_tokens max_new_tokens)."""
     if num_prompt_tokens + max_tokens <= max_model_len:
         return
     if num_prompt_tokens >= max_model_len:
         raise InvalidRequestError(f"{param} is {num_prompt_tokens} tokens, the model's context is {max_model_len}: "
                                   "no room to generate", param, CONTEXT_LENGTH_EXCEEDED)
-    raise InvalidRequestError(f"{param} ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds the "
-                              f"model's context of {max_model_len} tokens", "max_tokens", CONTEXT_LENGTH_EXCEEDED)
+    raise InvalidRequestError(f"{param} ({num_prompt_tokens} tokens) + {max_tokens_param} ({max_tokens}) exceeds the "
+                              f"model's context of {max_model_len} tokens", max_tokens_param, CONTEXT_LENGTH_EXCEEDED)
 
 
 def check_kv_blocks(num_tokens: int, block_size: int, num_blocks: int) -> None:
@@ -58,3 +64,19 @@ def check_kv_blocks(num_tokens: int, block_size: int, num_blocks: int) -> None:
     if needed > num_blocks:
         raise InvalidRequestError(f"request needs {needed} KV blocks but the cache holds {num_blocks}; "
                                   "lower max_tokens or raise num_kv_blocks", "max_tokens")
+
+
+def check_fits_waiting_bounds(num_requests: int, num_prompt_tokens: int, max_waiting_requests: int | None,
+                              max_waiting_tokens: int | None, param: str = "prompt") -> None:
+    """Whether a request of num_requests engine requests (prompts x n) and num_prompt_tokens
+    prompt tokens in all could ever be admitted at once under the engine's overload bounds
+    (engine/admission.py). One that could not is refused for good: a retry would only meet
+    the same 429 again."""
+    if max_waiting_requests is not None and num_requests > max_waiting_requests:
+        raise InvalidRequestError(f"this request runs as {num_requests} engine requests (prompts x n), "
+                                  f"more than max_waiting_requests ({max_waiting_requests}) admits at once; "
+                                  "send fewer prompts or a lower n", param)
+    if max_waiting_tokens is not None and num_prompt_tokens > max_waiting_tokens:
+        raise InvalidRequestError(f"this request's prompts are {num_prompt_tokens} tokens in all "
+                                  f"(prompts x n), more than max_waiting_tokens ({max_waiting_tokens}) admits "
+                                  "at once; send shorter or fewer prompts or a lower n", param)

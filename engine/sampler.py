@@ -42,15 +42,17 @@ class SamplingBatch:
     def from_params(cls, params: list[SamplingParams], generators: list[torch.Generator | None], vocab_size: int,
                     device: torch.device, controls: LogitsControls | None = None) -> SamplingBatch:
         sampled = [p for p in params if not p.is_greedy]
+        top_ks = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]  # past it: all of it
         return cls(
-            temperatures=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
+            temperatures=torch.tensor([0.0 if p.is_greedy else p.temperature for p in params], dtype=torch.float32,
+                                      device=device),
             top_ps=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
-            top_ks=torch.tensor([p.top_k or vocab_size for p in params], dtype=torch.int64, device=device),
+            top_ks=torch.tensor(top_ks, dtype=torch.int64, device=device),
             min_ps=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)
             if any(p.min_p > 0 for p in sampled) else None,
             generators=generators,
             all_greedy=not sampled,
-            needs_filter=any(p.top_k or p.top_p < 1 for p in sampled),
+            needs_filter=any(0 < p.top_k < vocab_size or p.top_p < 1 for p in sampled),
             controls=controls,
         )
 
@@ -146,7 +148,9 @@ def _sample_inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Te
     total = cdf[:, -1:]  # not 1.0: float32 sums drift by ~1e-6
     # u * total can round up to total itself, past every token: keep it strictly below.
     targets = torch.minimum(uniforms * total, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, targets, right=True).squeeze(1)
+    # A row of NaNs (which the limits keep out) would search past the end: a token id the
+    # next step cannot embed, failing every request in it. Clamped, it stays in the vocabulary.
+    return torch.searchsorted(cdf, targets, right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)
 
 
 # Top-p and top-k keep the few most likely tokens. Ranking only this many (torch.topk) rather

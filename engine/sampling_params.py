@@ -14,10 +14,9 @@ from functools import cached_property
 
 from engine.invalid_request import InvalidRequestError
 from engine.sampling_limits import (
-    LOGIT_BIAS, LOGPROBS, MAX_STOP_STRINGS, MAX_TOKENS, MIN_P, MIN_TOKENS, NUM_SEQUENCES, PENALTY,
-    REPETITION_PENALTY, SEED, TEMPERATURE, TOKEN_ID, TOP_K, TOP_P,
+    GREEDY_BELOW_TEMPERATURE, INT64_MIN, LOGIT_BIAS, LOGPROBS, MAX_STOP_STRINGS, MAX_TOKENS, MIN_P, MIN_TOKENS,
+    NUM_SEQUENCES, PENALTY, REPETITION_PENALTY, SEED, TEMPERATURE, TOKEN_ID, TOP_K, TOP_P,
 )
-
 
 
 @dataclass(frozen=True)
@@ -59,6 +58,12 @@ class SamplingParams:
             object.__setattr__(self, "top_k", 0)
         if isinstance(self.logit_bias, dict):  # a private copy: the params are frozen
             object.__setattr__(self, "logit_bias", dict(self.logit_bias))
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise InvalidRequestError naming the first field outside its limit. Construction
+        runs it; the engine runs it again when it admits a request, for params that reached
+        it without construction (unpickled from a Ray handle's caller, changed in place)."""
         self._validate()
         self._validate_controls()
         self._validate_logprobs()
@@ -104,7 +109,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
     @property
     def num_sequences(self) -> int:
@@ -136,10 +141,15 @@ class SamplingParams:
             return [self]
         logprobs = self.logprobs if self.best_of is None or self.best_of == self.n else max(self.logprobs or 0, 0)
         return [
-            dataclasses.replace(self, n=1, best_of=None, logprobs=logprobs,
-                                seed=None if self.seed is None else self.seed + i)
+            dataclasses.replace(self, n=1, best_of=None, logprobs=logprobs, seed=nth_seed(self.seed, i))
             for i in range(self.num_sequences)
         ]
+
+
+def nth_seed(seed: int | None, index: int) -> int | None:
+    """The seed of a seeded request's index-th sequence: seed + index, wrapped within int64,
+    so that the last seed a client may send still gives n seeds that differ."""
+    return None if seed is None else (seed + index - INT64_MIN) % 2**64 + INT64_MIN
 
 
 def select_best(cumulative_logprobs: list[float | None], n: int) -> list[int]:

@@ -148,6 +148,10 @@ class StepLoop:
                     self._loops[request_id] = loop
                 except ValueError as exc:
                     _send(loop, self.on_output, RequestRejected(request_id, exc))
+                except Exception as exc:  # noqa: BLE001 - one request's values fail it alone, never the loop
+                    # The type and the id only: a message could quote the request.
+                    logger.error("request %s refused at admission: unexpected %s", request_id, type(exc).__name__)
+                    _send(loop, self.on_output, RequestRejected(request_id, exc))
             case AbortRequest(request_id):
                 self.engine.abort_request(request_id)
                 self._loops.pop(request_id, None)

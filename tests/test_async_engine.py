@@ -11,6 +11,7 @@ import pytest
 
 from engine import LLM, AsyncEngine, EngineConfig, EngineDeadError, EngineOverloadedError, SamplingParams
 from engine import heap, step_loop
+from engine.invalid_request import InvalidRequestError
 from tests.engine_helpers import mixed_prompts
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
@@ -142,6 +143,45 @@ def test_invalid_request_raises_before_streaming(engine):
     assert engine.num_active_requests() == 0
 
 
+def test_params_past_their_limits_are_refused_at_admission_and_the_engine_serves_on(engine):
+    bad = SamplingParams(max_tokens=4, temperature=0)
+    object.__setattr__(bad, "top_k", 2**63)  # as params unpickled from a handle's caller may hold
+
+    async def main():
+        running = asyncio.ensure_future(collect(engine, "running", [1, 2], GREEDY))
+        with pytest.raises(InvalidRequestError) as refused:
+            await collect(engine, "bad", [1, 2, 3], bad)
+        assert refused.value.param == "top_k"
+        return await running, await collect(engine, "after", [4, 5])
+
+    (_, running), (_, after) = asyncio.run(asyncio.wait_for(main(), timeout=30))
+    assert len(running) == len(after) == 20
+    assert not engine.is_dead and engine.num_active_requests() == 0
+
+
+def test_an_unexpected_error_at_admission_fails_that_request_alone_and_logs_no_content(engine, caplog):
+    validate = engine.engine.validate_request
+
+    def faulty(prompt_token_ids, params):  # a fault one request's values could trigger
+        if prompt_token_ids == [9, 9, 9]:
+            raise RuntimeError("quotes the request: secret-content")
+        validate(prompt_token_ids, params)
+
+    engine.engine.validate_request = faulty
+
+    async def main():
+        with pytest.raises(RuntimeError):
+            await collect(engine, "faulty-request", [9, 9, 9])
+        return await collect(engine, "after", [4, 5])
+
+    with caplog.at_level("ERROR", logger="engine.step_loop"):
+        _, after = asyncio.run(asyncio.wait_for(main(), timeout=30))
+    assert len(after) == 20 and not engine.is_dead
+    logged = [r.getMessage() for r in caplog.records if r.name == "engine.step_loop"]
+    assert any("faulty-request" in m and "RuntimeError" in m for m in logged), logged
+    assert not any("secret-content" in m for m in logged)
+
+
 def test_a_crash_in_the_step_loop_fails_in_flight_requests_and_marks_the_engine_dead(engine):
     async def main():
         stream = engine.generate("doomed", [1, 2, 3], SamplingParams(max_tokens=500, temperature=0, ignore_eos=True))
@@ -205,6 +245,20 @@ def test_requests_beyond_the_waiting_bound_are_refused_at_once(tiny_gpt2_dir):
             return [t async for c in engine.generate("later", [4], params) for t in c.token_ids]
 
         assert len(asyncio.run(main())) == 3  # once the queue drains, requests are admitted again
+    finally:
+        engine.shutdown()
+
+
+def test_a_prompt_longer_than_the_waiting_token_bound_is_invalid_not_overloaded(tiny_gpt2_dir):
+    engine = make_engine(tiny_gpt2_dir, max_waiting_tokens=8)
+    try:
+        async def main():
+            with pytest.raises(InvalidRequestError, match="max_waiting_tokens") as refused:
+                await collect(engine, "never-fits", list(range(1, 10)))  # on an idle engine: no retry could pass
+            assert refused.value.param == "prompt"
+            return await collect(engine, "fits", list(range(1, 9)))
+
+        assert len(asyncio.run(main())[1]) == 20
     finally:
         engine.shutdown()
 

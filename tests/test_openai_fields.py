@@ -16,8 +16,11 @@ import torch
 import transformers
 
 from deployments.app import build_app
+from deployments.protocol import ChatBody, CompletionBody, DetokenizeBody, GenerateBody
 from engine import LLM, SamplingParams
+from tests.http_helpers import assert_openai_error
 from tests.serve_helpers import running_app, tiny_app_args
+from tests.test_sampling_limits import FLOAT_FIELDS, INT_FIELDS, with_field
 
 pytestmark = pytest.mark.serve
 
@@ -320,7 +323,6 @@ def test_best_of_with_stream_is_a_400(oai: openai.OpenAI) -> None:
 @pytest.mark.parametrize(("path", "fields", "param"), [
     ("/v1/completions", {"max_tokens": 4, "min_tokens": 5}, "min_tokens"),
     ("/v1/chat/completions", {"max_tokens": 4, "min_tokens": 5}, "min_tokens"),
-    ("/v1/completions", {"max_tokens": 2, "n": 2, "seed": 2**63 - 1}, "seed"),  # choice 1's seed passes 64 bits
 ])
 def test_rules_across_fields_that_the_engine_checks_are_a_400_naming_the_field(http: httpx.Client, path: str,
                                                                               fields: dict, param: str) -> None:
@@ -328,6 +330,60 @@ def test_rules_across_fields_that_the_engine_checks_are_a_400_naming_the_field(h
     response = http.post(path, json={"model": "tiny", **prompt, **fields})
     assert response.status_code == 400, response.text
     assert (response.json()["error"]["type"], response.json()["error"]["param"]) == ("invalid_request_error", param)
+
+
+def test_the_last_seed_with_n_choices_is_served_their_seeds_wrapping_within_int64(http: httpx.Client) -> None:
+    body = {"model": "tiny", "prompt": "Hi", "max_tokens": 2, "n": 2, "seed": 2**63 - 1, "temperature": 1}
+    response = http.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    assert len(response.json()["choices"]) == 2
+
+
+# ---- numbers at JSON's edges (the decisions: deployments/errors.py) ----
+
+ROUTES = {CompletionBody: "/v1/completions", ChatBody: "/v1/chat/completions", GenerateBody: "/generate",
+          DetokenizeBody: "/detokenize"}
+
+
+def post_raw(http: httpx.Client, path: str, raw: str) -> httpx.Response:
+    return http.post(path, content=raw.encode(), headers={"content-type": "application/json"})
+
+
+def test_top_k_past_int64_is_a_400_naming_top_k_and_the_engine_serves_on(http: httpx.Client) -> None:
+    body = {"model": "tiny", "prompt": "Hello there", "max_tokens": 5, "top_k": 9223372036854775808}
+    assert_openai_error(http.post("/v1/completions", json=body), 400, "invalid_request_error", "top_k")
+    body["top_k"] = 2**63 - 1  # the edge itself: the whole vocabulary
+    assert http.post("/v1/completions", json=body).status_code == 200
+    assert http.get("/health").status_code == 200
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/completions", {"model": "tiny", "prompt": "Hello there", "max_tokens": 5, "logit_bias": {"\u00b2": 1}}),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5,
+                              "logit_bias": {"\u2460": 1}}),
+])
+def test_a_unicode_digit_as_a_logit_bias_key_is_a_400_naming_logit_bias(http: httpx.Client, path: str,
+                                                                         body: dict) -> None:
+    assert_openai_error(http.post(path, json=body), 400, "invalid_request_error", "logit_bias")
+
+
+EDGE_VALUES = [  # (body, the rest of a valid body, field, its raw JSON value)
+    *[(b, base, f, shape.format(n)) for b, base, f, shape in INT_FIELDS for n in (2**63, -(2**63) - 1)],
+    *[(b, base, f, shape.format(v)) for b, base, f, shape in FLOAT_FIELDS for v in ("NaN", "Infinity", "-Infinity")],
+]
+
+
+@pytest.mark.parametrize(("body", "base", "field", "value"), EDGE_VALUES,
+                         ids=[f"{b.__name__}.{f}={v}" for b, _, f, v in EDGE_VALUES])
+def test_past_int64_nan_and_infinity_in_any_numeric_field_are_a_400_naming_it(
+        http: httpx.Client, body, base: dict, field: str, value: str) -> None:
+    response = post_raw(http, ROUTES[body], with_field(base, field, value))
+    assert_openai_error(response, 400, "invalid_request_error", field)
+
+
+def test_a_key_given_twice_is_a_400_naming_it(http: httpx.Client) -> None:
+    raw = '{"model": "tiny", "prompt": "Hi", "max_tokens": 2, "max_tokens": 900}'
+    assert_openai_error(post_raw(http, "/v1/completions", raw), 400, "invalid_request_error", "max_tokens")
 
 
 # ---- usage ----

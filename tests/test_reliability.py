@@ -146,7 +146,10 @@ async def fill_the_engine(http: httpx.AsyncClient) -> list[Stream]:
         ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user"}]}, "messages"),
         ("/v1/chat/completions", {"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}, "model"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5000}, "max_tokens"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 5000},
+         "max_completion_tokens"),
         ("/generate", {"prompt": "", "max_new_tokens": 4}, "prompt"),
+        ("/generate", {"prompt": "hi", "max_new_tokens": 1024}, "max_new_tokens"),  # beyond the context
         ("/generate", {"prompt": "hi", "temperature": None}, "temperature"),
     ],
 )
@@ -287,6 +290,19 @@ def test_past_the_waiting_bound_requests_get_429_with_retry_after_and_queued_one
         assert int(response.headers["retry-after"]) >= 1
     for stream in running + queued:
         assert (stream.status, stream.payloads[-1], stream.error) == (200, "[DONE]", None)
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/v1/completions", greedy(PROMPTS, max_tokens=2), "prompt"),
+    ("/v1/completions", greedy(PROMPTS[0], max_tokens=2, n=3), "n"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "n": 3}, "n"),
+])
+def test_a_request_that_can_never_fit_the_waiting_bounds_is_a_400_naming_the_limit(http: httpx.Client, path: str,
+                                                                                   body: dict, param: str) -> None:
+    """On an idle engine: 3 engine requests (prompts x n) where 2 may wait. A 429 would send
+    the client back for a retry that can never pass."""
+    error = assert_openai_error(http.post(path, json=body), 400, "invalid_request_error", param)
+    assert "max_waiting_requests (2)" in error["message"]
 
 
 def test_the_proxy_sheds_requests_past_the_ingress_queue_with_429(base_url: str) -> None:

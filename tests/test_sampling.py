@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import math
+import pickle
 
 import pytest
 import torch
 
 from engine import LLM, SamplingParams, native
+from engine.invalid_request import InvalidRequestError
 from engine.sampler import _filter_top_k_top_p, Sampler, SamplingBatch
 from tests.engine_helpers import mixed_prompts
 
@@ -122,6 +124,55 @@ def test_request_larger_than_the_block_pool_is_rejected_at_add(tiny_gpt2_dir):
 def test_empty_or_out_of_vocabulary_prompts_are_rejected(llm, prompt):
     with pytest.raises(ValueError, match="prompt"):
         llm.generate([prompt], SamplingParams())
+
+
+def tampered(params: SamplingParams, **fields) -> SamplingParams:
+    """params with fields set past construction's checks, as params unpickled from a Ray
+    handle's caller or changed in place reach the engine."""
+    params = pickle.loads(pickle.dumps(params))
+    for name, value in fields.items():
+        object.__setattr__(params, name, value)
+    return params
+
+
+@pytest.mark.parametrize("fields", [{"top_k": 2**63}, {"seed": 2**64}, {"temperature": math.nan},
+                                    {"logit_bias": {"5": 1.0}}, {"stop_token_ids": (2**63,)},
+                                    {"repetition_penalty": 1e-40}])
+def test_params_past_their_limits_are_refused_at_admission_naming_the_field(llm, fields):
+    bad = tampered(SamplingParams(max_tokens=4, temperature=0), **fields)
+    with pytest.raises(InvalidRequestError) as refused:
+        llm.generate([[1, 2, 3]], bad)
+    assert refused.value.param == next(iter(fields))
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True))[0].finish_reason == "length"
+
+
+def test_params_of_another_type_are_refused_at_admission(llm):
+    with pytest.raises(InvalidRequestError, match="SamplingParams"):
+        llm.engine.add_request("r", [1, 2, 3], {"max_tokens": 4})
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_top_k_at_int64s_edge_samples_from_the_whole_vocabulary(llm):
+    params = {"max_tokens": 8, "temperature": 1.0, "seed": 7, "ignore_eos": True}
+    whole = llm.generate([[1, 2, 3]], SamplingParams(top_k=2**63 - 1, **params))[0].token_ids
+    assert whole == llm.generate([[1, 2, 3]], SamplingParams(top_k=0, **params))[0].token_ids
+
+
+def test_a_temperature_below_the_greedy_bound_samples_the_argmax(llm):
+    prompts = mixed_prompts(3)
+    greedy = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))]
+    tiny = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=1e-40, ignore_eos=True))
+    assert [o.token_ids for o in tiny] == greedy
+
+
+@pytest.mark.parametrize("draw", ["eager", "compiled"])
+def test_a_row_of_nan_logits_still_draws_a_token_of_the_vocabulary(draw: str):
+    """The limits keep NaN out of the logits; were one to get in, its row's token must not
+    be one the next step cannot embed, failing every request in it."""
+    logits = torch.tensor([[float("nan")] * 8, [0.0] * 8])
+    batch = SamplingBatch.from_params([SamplingParams(temperature=1.0)] * 2, [None] * 2, 8, torch.device("cpu"))
+    assert make_sampler(draw)(logits, batch).tolist()[0] in range(8)
 
 
 # The draw's three implementations: torch ops eager; compiled, as compile_decode runs them;

@@ -192,6 +192,18 @@ def test_openapi_documents_every_post_body_with_nested_models_inlined(http: http
     assert http.get("/docs").status_code == 200
 
 
+def test_openapi_states_each_fields_limits_for_clients_and_fuzzers(http: httpx.Client) -> None:
+    """What tests/test_fuzz.py generates bodies from: the ranges the engine holds, and the
+    values a field we cannot honour takes."""
+    fields = http.get("/openapi.json").json()["paths"]["/v1/completions"]["post"]["requestBody"]["content"][
+        "application/json"]["schema"]["properties"]
+    top_k = fields["top_k"]["anyOf"][0]
+    assert (top_k["minimum"], top_k["maximum"]) == (-1, pytest.approx(2**63 - 1))  # FastAPI's document: floats
+    assert list(fields["logit_bias"]["anyOf"][0]["patternProperties"]) == ["^(0|[1-9][0-9]{0,18})$"]
+    assert fields["use_beam_search"]["anyOf"] == [{"type": "null"}, {"const": False}]
+    assert "no beam search" in fields["use_beam_search"]["description"]
+
+
 def test_the_ingress_handles_stream_engine_chunks_over_grpc(base_url: str, tiny_gpt2_dir: Path) -> None:
     engine = over_grpc(serve.get_deployment_handle("EngineDeployment", APP))
     prompt_ids = [464, 3139, 286, 4881, 318]
