@@ -3,6 +3,10 @@
     python -m loadtest.engine_bench                      # GPT-2-small, random weights, the engine's defaults
     python -m loadtest.engine_bench --num-requests 32 --prompt-len 16 --max-tokens 64 --dtype bfloat16
     python -m loadtest.engine_bench --device cuda --skip-hf --cuda-graphs false   # vs true, vs --compile-decode false
+    python -m loadtest.engine_bench --vllm /tmp/gpt2-random   # and vLLM's CPU build offline, on the same prompts
+
+--vllm runs vLLM's `LLM.generate` on a checkpoint directory of the same architecture (its own
+venv: loadtest/vllm_peer.py), greedy, after the engine and HF, in the engine's dtype.
 
 The engine runs with EngineConfig's defaults (what `LLM(model)` runs) but for the flags given.
 Prints tokens/s for both and the engine's single-request decode latency per token.
@@ -102,6 +106,7 @@ def main() -> None:
     parser.add_argument("--cuda-graphs", choices=["auto", "true", "false"], default="auto",
                         help="decode steps replayed from CUDA graphs (EngineConfig.cuda_graphs; auto: on CUDA)")
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--vllm", metavar="CHECKPOINT_DIR", help="also vLLM's CPU build offline, on this checkpoint")
     args = parser.parse_args()
 
     config = EngineConfig(model=args.model, weights="random", dtype=args.dtype, device=args.device,
@@ -118,11 +123,21 @@ def main() -> None:
         model = hf_model(config).to(config.torch_device)
         run_hf(model, prompts[:4], 4)  # warm-up
         results.append(run_hf(model, prompts, args.max_tokens))
+    if args.vllm:
+        results.append(run_vllm(args.vllm, prompts, args.max_tokens, str(config.torch_dtype).removeprefix("torch.")))
     for r in results:
         print(f"{r.name:28s} {r.num_tokens:6d} tokens in {r.seconds:6.2f} s = {r.tokens_per_s:7.1f} tok/s")
-    if len(results) == 2:
-        print(f"speedup vs HF static batch: {results[0].tokens_per_s / results[1].tokens_per_s:.2f}x")
+    for r in results[1:]:
+        print(f"rayinfer vs {r.name}: {results[0].tokens_per_s / r.tokens_per_s:.2f}x")
     print(f"single-request decode: {single:.2f} ms/token")
+
+
+def run_vllm(model_dir: str, prompts: list[list[int]], max_tokens: int, dtype: str) -> Result:
+    from loadtest.vllm_peer import OfflineRequest, require_vllm, run_vllm_offline
+
+    request = OfflineRequest(model_dir, prompts, prompts[:4], max_tokens, temperature=0.0, dtype=dtype)
+    result = run_vllm_offline(request, require_vllm())
+    return Result("vLLM offline (LLM.generate)", sum(result.output_tokens), result.duration_s)
 
 
 def _flag(value: str) -> bool | str:
