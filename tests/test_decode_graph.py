@@ -63,9 +63,10 @@ def compare(model_dir, dtype: str, reference_linears: str, atol: float, fast_lin
     expected = decode_attention_with_own if attention == "torch" else torch.ops.rayinfer.decode_attention
     assert fast.engine.runner.decode_graph.attention is expected
     assert fast.engine.runner.decode_graph.native_write is (attention != "torch")  # the pool's write: ours with ours
-    # The graph, and the sampler's draw unless an earlier test in this process compiled it
-    # (dynamo caches it per function), compiled during construction ...
-    assert compiled_at_start - before in (1, 2)
+    # The graph and the sampler's draw compiled during construction, unless an earlier engine
+    # of the same shapes in this process compiled them: dynamo caches per function, and the
+    # graph takes its weights as inputs, so that one serves this engine too ...
+    assert compiled_at_start - before in (0, 1, 2)
     assert_untouched(fast.engine)  # ... on scratch inputs that leave no trace
     reference = LLM(str(model_dir), weights="pretrained", dtype=dtype, device="cpu", linears=reference_linears, compile_decode=False)
     prompts = mixed_prompts(6)
