@@ -87,7 +87,7 @@ class BuildKernels(BuildExtension):
             target = Path(self.get_ext_fullpath(ext.name))
             target.parent.mkdir(parents=True, exist_ok=True)
             if target.resolve() != built.resolve():
-                shutil.copyfile(built, target)
+                shutil.copy2(built, target)
             return
         try:
             super().build_extension(ext)
