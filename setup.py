@@ -1,7 +1,7 @@
 """Builds our C++ kernels when the package is installed (`pip install -e .` or `pip install .`),
 as vLLM builds its CPU kernels: one library for each ISA this machine runs (avx512, avx2,
-baseline) from the same sources, each with its flags, installed inside the package as engine/_kernels_<isa>_<fingerprint>.so
-(engine/kernel_sources.py). engine/native.py loads the one for the CPU it runs on.
+baseline) from the same sources, each with its flags, installed inside the package as engine/kernels/_kernels_<isa>_<fingerprint>.so
+(engine/kernels/kernel_sources.py). engine/kernels/native.py loads the one for the CPU it runs on.
 
 A library that does not build (no compiler, a compiler without AVX-512) is skipped with a
 warning, never failing the install: the engine then builds it at its first start, or runs
@@ -21,9 +21,9 @@ ROOT = Path(__file__).parent
 
 
 def kernel_sources():
-    """engine/kernel_sources.py, loaded by its path: importing the engine package would need
+    """engine/kernels/kernel_sources.py, loaded by its path: importing the engine package would need
     its dependencies, which pip's build environment does not have."""
-    spec = importlib.util.spec_from_file_location("kernel_sources", ROOT / "engine" / "kernel_sources.py")
+    spec = importlib.util.spec_from_file_location("kernel_sources", ROOT / "engine" / "kernels" / "kernel_sources.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -59,7 +59,7 @@ def extensions(kernels) -> list[CppExtension]:
     # must not fail on one whose build was skipped. Sources relative: setuptools wants them so.
     # -g0: Python's own CFLAGS, which setuptools compiles with, carry -g (debug information,
     # 25 times the library's size, and a slower build); the engine's own builds have none.
-    return [CppExtension(f"engine.{kernels.library_stem(isa, torch.__version__)}",
+    return [CppExtension(f"engine.kernels.{kernels.library_stem(isa, torch.__version__)}",
                          [str(path.relative_to(ROOT)) for path in kernels.sources()],
                          extra_compile_args=[*kernels.cflags(isa), "-g0"], optional=True)
             for isa in isas_to_build(kernels)]
@@ -82,7 +82,7 @@ class BuildKernels(BuildExtension):
             self.warn(f"our C++ kernels were not built ({exc}); the engine builds them at its first start")
 
     def build_extension(self, ext) -> None:
-        built = ROOT / "engine" / Path(self.get_ext_filename(ext.name)).name
+        built = ROOT / "engine" / "kernels" / Path(self.get_ext_filename(ext.name)).name
         if built.exists():  # the same fingerprint: the same sources, flags and torch (an editable reinstall)
             target = Path(self.get_ext_fullpath(ext.name))
             target.parent.mkdir(parents=True, exist_ok=True)
@@ -99,7 +99,7 @@ class BuildKernels(BuildExtension):
         """An editable install's libraries land in the source tree; one built from older
         sources would never be loaded again."""
         current = {Path(self.get_ext_filename(ext.name)).name for ext in self.extensions}
-        for stale in (ROOT / "engine").glob("_kernels_*.so"):
+        for stale in (ROOT / "engine" / "kernels").glob("_kernels_*.so"):
             if stale.name not in current:
                 stale.unlink()
 

@@ -3,7 +3,7 @@
     Ingress ──encode──▶ TokenizerDeployment   (CPU, autoscaled; prompts too long to encode in the ingress)
             ──generate (stream)──▶ EngineDeployment   (one replica: a GPU where the cluster has one)
 
-or, with `ingress: engine`, the routes in the engine replica itself (deployments/engine_server.py):
+or, with `ingress: engine`, the routes in the engine replica itself (deployments/replicas/engine_server.py):
 
     EngineDeployment (routes + engine) ──encode──▶ TokenizerDeployment
 
@@ -22,17 +22,17 @@ import torch
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from ray import serve
 
-from deployments.cpu_binding import validate_spec
-from deployments.chunk_budget import ChunkBudget
-from deployments.engine_deployment import EngineDeployment
-from deployments.engine_server import EngineServer
-from deployments.engine_runtime import engine_runtime_env
-from deployments.http_body import DEFAULT_MAX_BODY_BYTES
-from deployments.ingress import ON_REPLICA_LOOP, Ingress
-from deployments.prompt_encoding import DEFAULT_LOCAL_MAX_CHARS
-from deployments.tokenizer_deployment import TokenizerDeployment
+from deployments.replicas.cpu_binding import validate_spec
+from deployments.routing.chunk_budget import ChunkBudget
+from deployments.replicas.engine_deployment import EngineDeployment
+from deployments.replicas.engine_server import EngineServer
+from deployments.replicas.engine_runtime import engine_runtime_env
+from deployments.api.http_body import DEFAULT_MAX_BODY_BYTES
+from deployments.replicas.ingress import ON_REPLICA_LOOP, Ingress
+from deployments.api.prompt_encoding import DEFAULT_LOCAL_MAX_CHARS
+from deployments.replicas.tokenizer_deployment import TokenizerDeployment
 from engine import EngineConfig
-from engine.loader import WeightsMode
+from engine.model.loader import WeightsMode
 
 
 class AppArgs(BaseModel):
@@ -53,22 +53,22 @@ class AppArgs(BaseModel):
     # GPU each, always the deployment's own. A config file's num_replicas overrides both.
     engine_cpu_replicas: int | None = Field(None, ge=1)
     # Which cores each engine replica's threads run on, on CPU: nobind, auto (a group of
-    # cores per replica of a node) or lists per local rank, 0-3|4-7 (deployments/cpu_binding.py).
+    # cores per replica of a node) or lists per local rank, 0-3|4-7 (deployments/replicas/cpu_binding.py).
     engine_cpu_bind: Annotated[str, AfterValidator(validate_spec)] = "nobind"
     # The engine replica's process: libraries to preload where present ("tcmalloc", "iomp5",
-    # a path; deployments/engine_runtime.py) and environment variables (e.g. KMP_AFFINITY).
+    # a path; deployments/replicas/engine_runtime.py) and environment variables (e.g. KMP_AFFINITY).
     engine_preload: list[str] = Field(default_factory=list)
     engine_env: dict[str, str] = Field(default_factory=dict)
     # Past this many engine->ingress chunks a second, tokens are packed several per chunk;
     # auto: 50 a CPU of the engine replica's node, None: every token its own chunk
-    # (deployments/chunk_budget.py).
+    # (deployments/routing/chunk_budget.py).
     max_chunks_per_s: ChunkBudget = "auto"
     tokenizer_num_replicas: int | None = None  # None: the deployment's autoscaling_config
     tokenizer_max_batch_size: int = Field(32, ge=1)
     tokenizer_batch_wait_s: float = Field(0.0, ge=0)
     # A request whose prompts hold at most this many characters (text, or the chat template's)
     # or token ids in all is encoded in the ingress itself, a longer one by the tokenizer
-    # deployment; 0: every prompt by the deployment (deployments/prompt_encoding.py).
+    # deployment; 0: every prompt by the deployment (deployments/api/prompt_encoding.py).
     local_encode_max_chars: int = Field(DEFAULT_LOCAL_MAX_CHARS, ge=0)
     # Bearer keys the API requires (none: open). Prefer the RAYINFER_API_KEYS environment
     # variable: these args are part of the Serve config the dashboard shows.
@@ -76,7 +76,7 @@ class AppArgs(BaseModel):
     max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, ge=1)  # larger bodies get 413
     # Where the HTTP routes run. deployment: an Ingress deployment of their own, calling the
     # engine replicas by handle (routes that scale apart; prompts routed by prefix). engine:
-    # in each engine replica (deployments/engine_server.py), a Ray hop less per request and
+    # in each engine replica (deployments/replicas/engine_server.py), a Ray hop less per request and
     # per chunk. A config file's `deployments:` list names Ingress only with the first.
     ingress: Literal["deployment", "engine"] = "deployment"
 

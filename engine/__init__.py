@@ -17,34 +17,34 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from engine.async_engine import AsyncEngine
+    from engine.frontend.async_engine import AsyncEngine
     from engine.config import EngineConfig
-    from engine.llm import LLM, CompletionOutput
-    from engine.llm_engine import LLMEngine
-    from engine.token_logprob import TokenLogprob
-    from engine.outputs import (
+    from engine.frontend.llm import LLM, CompletionOutput
+    from engine.core.llm_engine import LLMEngine
+    from engine.request.token_logprob import TokenLogprob
+    from engine.request.outputs import (
         ChunkTimings, EngineDeadError, EngineOverloadedError, EngineStats, GenerationChunk, ModelInfo,
     )
-    from engine.sampling_params import SamplingParams, select_best
+    from engine.request.sampling_params import SamplingParams, select_best
 
 # Each name's module, imported on first use: the processes that only check requests or
 # tokenize (the tokenizer replicas, an Ingress apart from the engine) import
-# `engine.request_rules` and the like without paying for torch and the model's code.
+# `engine.request.request_rules` and the like without paying for torch and the model's code.
 _HOMES = {
-    "AsyncEngine": "engine.async_engine",
+    "AsyncEngine": "engine.frontend.async_engine",
     "EngineConfig": "engine.config",
-    "LLM": "engine.llm",
-    "CompletionOutput": "engine.llm",
-    "LLMEngine": "engine.llm_engine",
-    "TokenLogprob": "engine.token_logprob",
-    "ChunkTimings": "engine.outputs",
-    "EngineDeadError": "engine.outputs",
-    "EngineOverloadedError": "engine.outputs",
-    "EngineStats": "engine.outputs",
-    "GenerationChunk": "engine.outputs",
-    "ModelInfo": "engine.outputs",
-    "SamplingParams": "engine.sampling_params",
-    "select_best": "engine.sampling_params",
+    "LLM": "engine.frontend.llm",
+    "CompletionOutput": "engine.frontend.llm",
+    "LLMEngine": "engine.core.llm_engine",
+    "TokenLogprob": "engine.request.token_logprob",
+    "ChunkTimings": "engine.request.outputs",
+    "EngineDeadError": "engine.request.outputs",
+    "EngineOverloadedError": "engine.request.outputs",
+    "EngineStats": "engine.request.outputs",
+    "GenerationChunk": "engine.request.outputs",
+    "ModelInfo": "engine.request.outputs",
+    "SamplingParams": "engine.request.sampling_params",
+    "select_best": "engine.request.sampling_params",
 }
 
 

@@ -13,8 +13,8 @@ from typing import Literal, get_args
 
 import torch
 
-from engine.cpu import cpu_features, usable_cpus
-from engine.loader import WeightsMode, check_weights_mode
+from engine.kernels.cpu import cpu_features, usable_cpus
+from engine.model.loader import WeightsMode, check_weights_mode
 
 LinearsMode = Literal["auto", "reference"]
 # A hot op's implementation: our C++ kernel (native), torch's (torch), or native where it runs (auto).
@@ -37,29 +37,29 @@ class EngineConfig:
     dtype: str = "auto"  # float32 | bfloat16 | float16 | auto (bf16 where the hardware runs it natively)
     device: str = "auto"  # cpu | cuda | cuda:N | auto (cuda where present)
     # auto: on CPU, projections and LM head on oneDNN-prepacked weights where the CPU probe
-    # says oneDNN runs this dtype (engine/packed_linear.py); reference: F.linear everywhere,
+    # says oneDNN runs this dtype (engine/model/packed_linear.py); reference: F.linear everywhere,
     # the path that is token-exact with Hugging Face in fp32.
     linears: LinearsMode = "auto"
     # Decode attention through a torch.compile'd kernel that reads the paged pools in place
-    # (engine/attention.py decode_attention). Off by default: the first step compiles for
+    # (engine/model/attention.py decode_attention). Off by default: the first step compiles for
     # tens of seconds in every process that runs an engine.
     compile_attention: bool = False
     # Decode steps (and short steps with prefill chunks: graph_prefill_tokens) through one
     # torch.compile'd graph of the whole forward with the weights frozen in
-    # (engine/decode_graph.py), on the same linears as the eager steps. The graph compiles while
+    # (engine/model/decode_graph.py), on the same linears as the eager steps. The graph compiles while
     # the engine is built (tens of seconds); where it cannot compile, decode steps stay eager,
     # with a warning. auto: on on CPU, in bf16 and fp32, and on CUDA inside cuda_graphs' graphs.
     # The sampler's draw (argmax, or softmax and an inverse-CDF draw) compiles with it on CPU, so
     # a sampled step leaves eager ATen too.
     compile_decode: bool | Literal["auto"] = "auto"
     # On CUDA, steps of one-token rows (decodes) replayed from CUDA graphs captured before the
-    # engine serves, one per bucket of rows and block-table width (engine/cuda_graphs.py);
+    # engine serves, one per bucket of rows and block-table width (engine/model/cuda_graphs.py);
     # other steps run eagerly. With compile_decode (auto on CUDA: on) the graphs hold the
     # compiled step, Triton kernels for the fused pieces (BENCHMARKS.md, engine offline: GPU).
     # auto: on CUDA (vLLM's default; false is its enforce_eager); true: the same, and an
     # error off CUDA.
     cuda_graphs: bool | Literal["auto"] = "auto"
-    # The compiled decode graph's attention. native: our C++ kernel (engine/native_attention.py,
+    # The compiled decode graph's attention. native: our C++ kernel (engine/kernels/native_attention.py,
     # built once per machine for the probed ISA, ~10 s); torch: the same math as a PyTorch
     # expression inductor compiles; auto: native on CPU where it builds, else torch, logged.
     decode_attention: KernelChoice = "auto"
@@ -72,15 +72,15 @@ class EngineConfig:
     # prefills on the compiled graph).
     graph_prefill_tokens: int = 128
     # The sampler's draw (argmax and an inverse-CDF draw per row). native: our C++ kernel
-    # (engine/csrc/sampling.cpp, built with decode_attention's); torch: torch ops, compiled
+    # (engine/kernels/csrc/sampling.cpp, built with decode_attention's); torch: torch ops, compiled
     # with compile_decode; auto: native on CPU where it builds, else torch, logged.
     sampler: KernelChoice = "auto"
     # Prepacked linears (linears: auto) on small steps. native: our C++ kernels over a second
     # copy of the weights, kept beside the packed ones (the linears' weights take twice the
     # memory): in bf16 on AVX-512 BF16, steps of 1 to 64 rows on the weights in panels
-    # (engine/csrc/blocked_linear.cpp); in fp32 on the AVX2 build, the same on fp32 panels
-    # (engine/csrc/blocked_linear_f32.cpp); elsewhere, steps of one to three rows on the plain
-    # weights (engine/csrc/small_linear.cpp; the decode graph pads one row to two). Measured:
+    # (engine/kernels/csrc/blocked_linear.cpp); in fp32 on the AVX2 build, the same on fp32 panels
+    # (engine/kernels/csrc/blocked_linear_f32.cpp); elsewhere, steps of one to three rows on the plain
+    # weights (engine/kernels/csrc/small_linear.cpp; the decode graph pads one row to two). Measured:
     # BENCHMARKS.md, "Designs shipped": linears. torch: oneDNN's product for every step. auto: ours
     # on CPU where the linears are packed and they build, else oneDNN's, logged.
     small_batch_linear: KernelChoice = "auto"
@@ -108,7 +108,7 @@ class EngineConfig:
     # Steps of at most this many tokens (one stream's decodes) run on one torch thread, the
     # rest on num_threads: in a server the other processes on the engine's cores stall a
     # small step's OpenMP barriers more than a second thread speeds it up, in bf16; in fp32,
-    # twice the bytes a step, the second thread wins (engine/step_threads.py; BENCHMARKS.md,
+    # twice the bytes a step, the second thread wins (engine/core/step_threads.py; BENCHMARKS.md,
     # "Designs shipped": one thread for one-token steps).
     # 0: every step on num_threads; auto: 1 on CPU in bf16, else 0.
     one_thread_max_tokens: int | Literal["auto"] = "auto"

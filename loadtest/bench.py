@@ -11,7 +11,7 @@ median (throughput on a shared or virtual machine moves between runs minutes apa
 `--offline-model gpt2` adds the in-process engine on the same workload, and `--handle-app
 rayinfer` the app's engine deployment over a Serve handle (no HTTP): between them they
 show where the HTTP path's time goes. `--vllm-model DIR` starts vLLM's CPU server from its own
-venv on that checkpoint (loadtest/vllm_peer.py), runs the same workload on it and stops it;
+venv on that checkpoint (loadtest/peers/vllm_peer.py), runs the same workload on it and stops it;
 `--vllm-offline` adds vLLM's offline `LLM.generate` on the same prompts.
 
     python -m loadtest.bench --num-requests 64 --concurrency 8 --prompt-tokens 128 --max-tokens 64
@@ -30,11 +30,11 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as `python loadtest/bench.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from loadtest.http_target import BenchConfig, Target, run_benchmark, run_sweep
-from loadtest.report_files import plot_sweep, write_outputs
-from loadtest.results import BenchResult
-from loadtest.tables import repeats_table, side_by_side_table, sweep_table
-from loadtest.workload import Workload
+from loadtest.client.http_target import BenchConfig, Target, run_benchmark, run_sweep
+from loadtest.client.report_files import plot_sweep, write_outputs
+from loadtest.client.results import BenchResult
+from loadtest.client.tables import repeats_table, side_by_side_table, sweep_table
+from loadtest.client.workload import Workload
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -139,7 +139,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit("--vllm-offline needs --vllm-model (the checkpoint directory)")
     with contextlib.ExitStack() as servers:
         if args.vllm_model is not None:
-            from loadtest.vllm_peer import start_vllm_target
+            from loadtest.peers.vllm_peer import start_vllm_target
 
             args.vllm_target = start_vllm_target(servers, args.vllm_model, args.vllm_port, args.vllm_venv)
         return run_main(args)
@@ -169,16 +169,16 @@ def run_round(number: int, targets: Sequence[Target], workload: Workload, args: 
     one round of --repeats."""
     results = [run_benchmark(BenchConfig(t, workload, not args.no_progress)) for t in targets]
     if args.handle_app:
-        from loadtest.handle_target import HandleTarget, run_over_handle  # needs Ray: only when asked
+        from loadtest.client.handle_target import HandleTarget, run_over_handle  # needs Ray: only when asked
 
         results.append(run_over_handle(HandleTarget(args.handle_app), workload))
     if args.offline_model:
-        from loadtest.offline_target import OfflineTarget, run_offline  # needs torch: only when asked
+        from loadtest.client.offline_target import OfflineTarget, run_offline  # needs torch: only when asked
 
         target = OfflineTarget(args.offline_model, weights=args.offline_weights, dtype=args.offline_dtype)
         results.append(run_offline(target, workload))
     if args.vllm_offline:
-        from loadtest.vllm_peer import run_vllm_offline_target
+        from loadtest.peers.vllm_peer import run_vllm_offline_target
 
         results.append(run_vllm_offline_target(args.vllm_model, workload, args.offline_dtype, args.vllm_venv))
     return [replace(r, round=number) for r in results]

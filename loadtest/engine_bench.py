@@ -6,7 +6,7 @@
     python -m loadtest.engine_bench --vllm /tmp/gpt2-random   # and vLLM's CPU build offline, on the same prompts
 
 --vllm runs vLLM's `LLM.generate` on a checkpoint directory of the same architecture (its own
-venv: loadtest/vllm_peer.py), greedy, after the engine and HF, in the engine's dtype.
+venv: loadtest/peers/vllm_peer.py), greedy, after the engine and HF, in the engine's dtype.
 
 The engine runs with EngineConfig's defaults (what `LLM(model)` runs) but for the flags given.
 Prints tokens/s for both and the engine's single-request decode latency per token.
@@ -22,10 +22,10 @@ import torch
 from transformers import GPT2LMHeadModel
 
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine, build_model
-from engine.loader import resolve_model
-from engine.models.gpt2 import CONV1D_WEIGHTS, hf_to_own_name
-from engine.sampling_params import SamplingParams
+from engine.core.llm_engine import LLMEngine, build_model
+from engine.model.loader import resolve_model
+from engine.model.gpt2 import CONV1D_WEIGHTS, hf_to_own_name
+from engine.request.sampling_params import SamplingParams
 
 
 @dataclass
@@ -133,7 +133,7 @@ def main() -> None:
 
 
 def run_vllm(model_dir: str, prompts: list[list[int]], max_tokens: int, dtype: str) -> Result:
-    from loadtest.vllm_peer import OfflineRequest, require_vllm, run_vllm_offline
+    from loadtest.peers.vllm_peer import OfflineRequest, require_vllm, run_vllm_offline
 
     request = OfflineRequest(model_dir, prompts, prompts[:4], max_tokens, temperature=0.0, dtype=dtype)
     result = run_vllm_offline(request, require_vllm())

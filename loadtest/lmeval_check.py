@@ -28,7 +28,7 @@ from pathlib import Path
 
 import httpx
 
-from loadtest import serve_process
+from loadtest.client import serve_process
 
 TOLERANCE = 1e-3
 SERVED_NAME = "tiny"

@@ -34,8 +34,8 @@ from locust.env import Environment
 if __package__ in (None, ""):  # locust imports this file by path
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from loadtest.prompts import Distribution, make_prompt
-from loadtest.sse import SSEParser, StreamRecord
+from loadtest.client.prompts import Distribution, make_prompt
+from loadtest.client.sse_reader import SSEParser, StreamRecord
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from engine.loader import KNOWN_CONFIGS, load_tokenizer
+from engine.model.loader import KNOWN_CONFIGS, load_tokenizer
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"

@@ -17,7 +17,7 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from engine.loader import load_tokenizer
+from engine.model.loader import load_tokenizer
 
 
 @pytest.fixture(scope="session")

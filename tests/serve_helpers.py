@@ -21,7 +21,7 @@ import ray
 import yaml
 from ray import serve
 
-from loadtest import serve_process
+from loadtest.client import serve_process
 
 ROOT = Path(__file__).resolve().parents[1]
 READY_TIMEOUT_S = 180

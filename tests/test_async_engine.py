@@ -10,8 +10,9 @@ import psutil
 import pytest
 
 from engine import LLM, AsyncEngine, EngineConfig, EngineDeadError, EngineOverloadedError, SamplingParams
-from engine import heap, step_loop
-from engine.invalid_request import InvalidRequestError
+from engine.core import heap
+from engine.frontend import step_loop
+from engine.request.invalid_request import InvalidRequestError
 from tests.engine_helpers import mixed_prompts
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
@@ -174,10 +175,10 @@ def test_an_unexpected_error_at_admission_fails_that_request_alone_and_logs_no_c
             await collect(engine, "faulty-request", [9, 9, 9])
         return await collect(engine, "after", [4, 5])
 
-    with caplog.at_level("ERROR", logger="engine.step_loop"):
+    with caplog.at_level("ERROR", logger="engine.frontend.step_loop"):
         _, after = asyncio.run(asyncio.wait_for(main(), timeout=30))
     assert len(after) == 20 and not engine.is_dead
-    logged = [r.getMessage() for r in caplog.records if r.name == "engine.step_loop"]
+    logged = [r.getMessage() for r in caplog.records if r.name == "engine.frontend.step_loop"]
     assert any("faulty-request" in m and "RuntimeError" in m for m in logged), logged
     assert not any("secret-content" in m for m in logged)
 
@@ -297,10 +298,10 @@ def test_idle_step_loop_trims_the_heap_once_per_idle_period(tiny_gpt2_dir, monke
 
 
 def test_a_replicas_load_report_is_current_while_idle_and_counts_the_work_ahead_while_busy(engine):
-    """What the router reads (deployments/engine_load.py): the engine's pending work as of
+    """What the router reads (deployments/routing/engine_load.py): the engine's pending work as of
     its last step while requests are open; zero, stamped now, once none is, so that an idle
     replica's report never goes stale."""
-    from deployments.engine_load import EngineLoad
+    from deployments.routing.engine_load import EngineLoad
 
     async def main():
         stream = engine.generate("busy", list(range(300, 340)), SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))

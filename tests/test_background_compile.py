@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from engine import EngineConfig, SamplingParams
-from engine.decode_graph import DecodeGraph
-from engine.llm_engine import LLMEngine
+from engine.model.decode_graph import DecodeGraph
+from engine.core.llm_engine import LLMEngine
 from tests.engine_helpers import mixed_prompts, record_threads
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
@@ -71,7 +71,7 @@ def test_steps_take_the_graph_once_it_is_ready_with_the_same_tokens(tiny_gpt2_di
     eager = generate(engine, prompts, "eager")
     slow_compile.set()
     assert engine.wait_for_compile(timeout_s=300)
-    with caplog.at_level(logging.INFO, logger="engine.llm_engine"):
+    with caplog.at_level(logging.INFO, logger="engine.core.llm_engine"):
         compiled = generate(engine, prompts, "compiled")
     assert engine.runner.decode_graph.num_steps >= 7  # every decode step after the switch
     assert "steps now compiled" in caplog.text

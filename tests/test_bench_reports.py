@@ -1,4 +1,4 @@
-# Benchmark reports open with the machine they ran on (loadtest/machine.py): figures from an
+# Benchmark reports open with the machine they ran on (loadtest/client/machine.py): figures from an
 # AVX2 box and an AVX-512 BF16 one, or from an emulated run, must not be read side by side
 # unlabelled.
 from __future__ import annotations
@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from engine.cpu import ISA_LEVELS, cpu_features
-from loadtest.machine import machine_line
-from loadtest.peer_goals import goals_table
-from loadtest.peer_table import ServerRows, TableRun, TableWorkload, table, wave_ttft_p50
-from loadtest.results import RunInfo, Summary, summarize_run
-from loadtest.sse import StreamRecord
-from loadtest.workload import Workload
+from engine.kernels.cpu import ISA_LEVELS, cpu_features
+from loadtest.client.machine import machine_line
+from loadtest.peers.peer_goals import goals_table
+from loadtest.peers.peer_table import ServerRows, TableRun, TableWorkload, table, wave_ttft_p50
+from loadtest.client.results import RunInfo, Summary, summarize_run
+from loadtest.client.sse_reader import StreamRecord
+from loadtest.client.workload import Workload
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,7 +34,7 @@ def test_the_peer_table_opens_with_the_cpu_kind_the_dtype_and_the_times() -> Non
 
 def test_an_emulated_avx2_run_says_avx2_not_the_hardware_it_ran_on() -> None:
     env = {**os.environ, "RAYINFER_CPU_ISA": "avx2"}
-    line = subprocess.run([sys.executable, "-c", "from loadtest.machine import machine_line; print(machine_line('a', 'b'))"],
+    line = subprocess.run([sys.executable, "-c", "from loadtest.client.machine import machine_line; print(machine_line('a', 'b'))"],
                           cwd=ROOT, env=env, capture_output=True, text=True, check=True).stdout
     capped = ISA_LEVELS[min(ISA_LEVELS.index(cpu_features().isa), ISA_LEVELS.index("avx2"))]
     assert line.startswith(f"Machine: {cpu_features().machine} {capped} ")

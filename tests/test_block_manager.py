@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.block_manager import BlockManager
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
+from engine.core.block_manager import BlockManager
+from engine.request.sampling_params import SamplingParams
+from engine.core.sequence import Sequence
 
 BLOCK = 4
 

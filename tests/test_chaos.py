@@ -1,5 +1,5 @@
 # The app as `serve run configs/tiny.yaml` starts it, with API keys from the environment,
-# under a short chaos run (loadtest/chaos.py), and what it exposes on the network. The
+# under a short chaos run (loadtest/chaos/run.py), and what it exposes on the network. The
 # config is the real one with two changes for a shared test machine: a free port, and the
 # tiny checkpoint instead of distilgpt2's architecture.
 from __future__ import annotations
@@ -16,9 +16,9 @@ import pytest
 import yaml
 from ray.dashboard.consts import DASHBOARD_METRIC_PORT
 
-from loadtest.chaos import check_loopback, run_chaos
-from loadtest.chaos_config import ChaosConfig
-from loadtest.chaos_verdict import summary
+from loadtest.chaos.run import check_loopback, run_chaos
+from loadtest.chaos.config import ChaosConfig
+from loadtest.chaos.verdict import summary
 from tests.serve_helpers import ROOT, free_port, serve_run
 
 pytestmark = pytest.mark.serve

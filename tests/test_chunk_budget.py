@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from deployments.app import AppArgs
-from deployments.chunk_budget import CHUNKS_PER_S_PER_CPU, resolve
+from deployments.routing.chunk_budget import CHUNKS_PER_S_PER_CPU, resolve
 
 CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
 
@@ -34,7 +34,7 @@ def test_auto_is_a_rate_per_cpu_of_the_process_and_a_number_stays_as_given() -> 
 def test_auto_follows_the_cpus_a_container_or_taskset_gives_the_process() -> None:
     cpu = min(os.sched_getaffinity(0))
     code = (f"import os; os.sched_setaffinity(0, {{{cpu}}}); "
-            "from deployments.chunk_budget import resolve; print(resolve('auto'))")
+            "from deployments.routing.chunk_budget import resolve; print(resolve('auto'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert float(out.stdout) == CHUNKS_PER_S_PER_CPU
 

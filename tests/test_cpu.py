@@ -8,8 +8,9 @@ import logging
 import pytest
 import torch
 
-from engine import LLM, EngineConfig, cpu
-from engine.inductor import inductor_options
+from engine import LLM, EngineConfig
+from engine.kernels import cpu
+from engine.kernels.inductor import inductor_options
 
 
 @pytest.fixture
@@ -59,7 +60,7 @@ def test_dtype_auto_is_bf16_exactly_where_bf16_is_native(isa_cap):
 
 
 def test_engine_logs_the_cpu_and_linear_path_once_at_startup(tiny_gpt2_dir, caplog):
-    with caplog.at_level(logging.INFO, logger="engine.llm_engine"):
+    with caplog.at_level(logging.INFO, logger="engine.core.llm_engine"):
         LLM(str(tiny_gpt2_dir), weights="pretrained", dtype="float32", device="cpu", compile_decode=False)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("CPU: ")]
     assert len(lines) == 1

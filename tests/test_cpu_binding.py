@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from deployments import cpu_binding
+from deployments.replicas import cpu_binding
 from deployments.app import AppArgs
-from deployments.cpu_binding import ReplicaCores, cores_for, parse_cpulist, physical_cores_first
+from deployments.replicas.cpu_binding import ReplicaCores, cores_for, parse_cpulist, physical_cores_first
 
 
 def test_a_cpulist_is_ranges_and_single_cpus() -> None:
@@ -77,7 +77,7 @@ def test_binding_where_the_os_cannot_is_refused_naming_the_arg(monkeypatch: pyte
 
 _BIND_IN_A_CHILD = """
 import json, os, threading
-from deployments.cpu_binding import ReplicaCores
+from deployments.replicas.cpu_binding import ReplicaCores
 
 def affinities():
     return {tid: sorted(os.sched_getaffinity(int(tid))) for tid in os.listdir("/proc/self/task")}

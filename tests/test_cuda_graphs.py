@@ -1,4 +1,4 @@
-"""How decode steps are bucketed for CUDA graphs (engine/cuda_graphs.py), and the config
+"""How decode steps are bucketed for CUDA graphs (engine/model/cuda_graphs.py), and the config
 rules that choose them; the graphs themselves replay on a GPU only (tests/test_gpu.py)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from engine.config import EngineConfig
-from engine.cuda_graphs import bucket, row_buckets, width_buckets
+from engine.model.cuda_graphs import bucket, row_buckets, width_buckets
 
 
 def test_row_buckets_are_vllms_spacing_thinned_past_64_rows_and_end_at_max_num_seqs():

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from engine import LLM
-from engine import native, native_attention
-from engine.attention import AttentionGroup, _attend, compiled_decode_attention, decode_attention, decode_attention_with_own
-from engine.cpu import cpu_features
+from engine.kernels import native, native_attention
+from engine.model.attention import AttentionGroup, _attend, compiled_decode_attention, decode_attention, decode_attention_with_own
+from engine.kernels.cpu import cpu_features
 from tests.engine_helpers import greedy_logprobs, mixed_prompts
 
 HEADS, BLOCKS, BLOCK_SIZE, HEAD_DIM = 4, 40, 16, 16
@@ -45,7 +45,7 @@ def test_decode_attention_matches_the_gathering_path(dtype, atol):
 @torch.inference_mode()
 def test_compiled_decode_attention_matches_the_gathering_path():
     """Under CI's AVX2-emulated step this runs after the AVX-512 step compiled the same
-    graph: the kernels must be keyed by vector width (engine/inductor.py), or this reads NaN."""
+    graph: the kernels must be keyed by vector width (engine/kernels/inductor.py), or this reads NaN."""
     inputs = ragged_decode_batch(torch.float32)
     torch.testing.assert_close(compiled_decode_attention()(*inputs), eager_reference(*inputs), atol=1e-5, rtol=1e-5)
 

@@ -14,11 +14,12 @@ import pytest
 import torch
 import yaml
 
-from engine import LLM, EngineConfig, SamplingParams, native, native_attention
-from engine.attention import decode_attention_with_own, write_kv
-from engine.cpu import cpu_features
-from engine.decode_graph import DecodeGraph, write_new_kv
-from engine.sampler import Sampler
+from engine import LLM, EngineConfig, SamplingParams
+from engine.kernels import native, native_attention
+from engine.model.attention import decode_attention_with_own, write_kv
+from engine.kernels.cpu import cpu_features
+from engine.model.decode_graph import DecodeGraph, write_new_kv
+from engine.sampling.sampler import Sampler
 from tests.engine_helpers import mixed_prompts, record_steps
 
 GREEDY_TOP5 = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=5)
@@ -95,7 +96,7 @@ def test_our_kv_write_is_index_copy(dtype: torch.dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_prefill_layers_kv_write_on_ours_is_index_copy(dtype: torch.dtype):
-    """engine/attention.py write_kv, as eager steps write a layer's k, v [T, H, D]: ours
+    """engine/model/attention.py write_kv, as eager steps write a layer's k, v [T, H, D]: ours
     where the decode graph runs our kernels, index_copy_ elsewhere."""
     native.load()
     generator = torch.Generator().manual_seed(1)
@@ -199,8 +200,8 @@ def test_the_step_budget_on_auto_is_the_graphs_bound_on_cpu_and_512_without_the_
 def test_one_thread_steps_take_the_one_graph_compiled_with_the_engine(tiny_gpt2_dir, caplog, restore_torch_threads):
     """One-token steps on one torch thread (one_thread_max_tokens) run the graph compiled
     while the engine was built, at two threads: it takes the thread count at each call
-    (engine/inductor.py), so it is compiled once, and a stream's decodes compile nothing."""
-    with caplog.at_level(logging.INFO, logger="engine.decode_graph"):
+    (engine/kernels/inductor.py), so it is compiled once, and a stream's decodes compile nothing."""
+    with caplog.at_level(logging.INFO, logger="engine.model.decode_graph"):
         fast = LLM(str(tiny_gpt2_dir), weights="pretrained", dtype="float32", device="cpu", compile_decode=True,
                    num_threads=2, one_thread_max_tokens=1)
     compiled = [r.getMessage() for r in caplog.records if "decode graph compiled" in r.getMessage()]
@@ -273,7 +274,7 @@ def test_an_attention_kernel_that_cannot_build_falls_back_to_the_expression(tiny
         raise RuntimeError("Ninja is required to load C++ extensions")  # the fault: what torch raises
 
     monkeypatch.setattr(native_attention, "load", no_ninja)
-    with caplog.at_level(logging.INFO, logger="engine.kernel_choice"):
+    with caplog.at_level(logging.INFO, logger="engine.core.kernel_choice"):
         fast = LLM(str(tiny_gpt2_dir), weights="pretrained", dtype="float32", device="cpu", compile_decode=True)
     assert fast.engine.runner.decode_graph.attention is decode_attention_with_own
     assert "decode_attention: our C++ kernel is not available; inductor compiles the expression" in caplog.text

@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from engine.detokenizer import IncrementalDetokenizer, TokenVocab
+from engine.request.detokenizer import IncrementalDetokenizer, TokenVocab
 
 MULTILINGUAL = [
     "你好，世界！这是一个测试。",

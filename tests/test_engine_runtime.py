@@ -11,8 +11,8 @@ import httpx
 import pytest
 
 from deployments.app import AppArgs, build_app, engine_actor_options, engine_deployment_options
-from deployments.engine_runtime import REPLICA_DEFAULTS, engine_env_vars, resolve_library
-from deployments.ingress import ON_REPLICA_LOOP
+from deployments.replicas.engine_runtime import REPLICA_DEFAULTS, engine_env_vars, resolve_library
+from deployments.replicas.ingress import ON_REPLICA_LOOP
 from tests.serve_helpers import replica_process, running_app
 
 ENGINE_ARGS = {"num_kv_blocks": 48, "max_num_seqs": 8, "max_num_batched_tokens": 128, "compile_decode": False}
@@ -31,7 +31,7 @@ def test_missing_libraries_are_skipped_with_a_warning_and_the_rest_preloaded(
 ) -> None:
     library = tmp_path / "libfake.so"
     library.write_bytes(b"")
-    with caplog.at_level(logging.WARNING, logger="deployments.engine_runtime"):
+    with caplog.at_level(logging.WARNING, logger="deployments.replicas.engine_runtime"):
         env = engine_env_vars(["no-such-library-anywhere", str(library)], {"KMP_BLOCKTIME": "1", "LD_PRELOAD": "/x.so"})
     assert env == {**REPLICA_DEFAULTS, "KMP_BLOCKTIME": "1", "LD_PRELOAD": f"{library}:/x.so"}
     assert "'no-such-library-anywhere' not found" in caplog.text

@@ -11,8 +11,8 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
-from engine.attention import decode_attention_with_own
-from engine.cuda_graphs import CudaGraphDecode
+from engine.model.attention import decode_attention_with_own
+from engine.model.cuda_graphs import CudaGraphDecode
 from tests.engine_helpers import hf_greedy, hf_model, mixed_prompts, record_steps
 from tests.test_decode_graph import assert_alone_and_together_close, num_compiled_graphs
 

@@ -1,5 +1,5 @@
 """The engine's memory stays flat under varied shapes: oneDNN's and ideep's shape-keyed
-caches are bounded (engine/heap.py), measured on glibc's in-use heap in a fresh process,
+caches are bounded (engine/core/heap.py), measured on glibc's in-use heap in a fresh process,
 since both caches read their limit once, at the first oneDNN call."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from engine import heap
-from engine.cpu import cpu_features
+from engine.core import heap
+from engine.kernels.cpu import cpu_features
 
 # The script's bf16 products reach oneDNN (and its shape caches) only where oneDNN runs bf16.
 needs_onednn_bf16 = pytest.mark.skipif(
@@ -23,7 +23,7 @@ needs_onednn_bf16 = pytest.mark.skipif(
 # bf16 products over 300 new row counts after 120 warm ones; prints the in-use heap growth.
 HEAP_GROWTH_SCRIPT = """
 import ctypes, torch, torch.nn.functional as F
-from engine.heap import limit_onednn_caches
+from engine.core.heap import limit_onednn_caches
 
 class MallInfo2(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in

@@ -1,4 +1,4 @@
-# engine/inductor.py's compile_for on CPU: a frozen graph with the C++ wrapper (the decode
+# engine/kernels/inductor.py's compile_for on CPU: a frozen graph with the C++ wrapper (the decode
 # graph's settings) writes the same source for the same graph whatever its weights' tensors,
 # so inductor's disk cache builds its C++ once per machine, not once per process; and graphs
 # that share that source still compute with their own weights.
@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch._inductor.utils import run_and_get_code
 
-from engine.inductor import compile_for
+from engine.kernels.inductor import compile_for
 
 
 def frozen_linear(seed: int) -> tuple[torch.nn.Linear, object]:

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from engine import kv_pool
+from engine.core import kv_pool
 
 
 def vma_flags(address: int) -> list[str]:

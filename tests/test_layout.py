@@ -1,6 +1,7 @@
 """The code's shape, read from its imports with `ast`: three floors, loadtest -> deployments
--> engine, with no arrow up and no import circle; no private name (`_x`) imported from
-another file; no function longer than a screen."""
+-> engine, and inside each floor its rooms (sub-packages) in an order, with no arrow up and
+no import circle; every room says its job; no private name (`_x`) imported from another
+file; no function longer than a screen. Each rule is one test that lists every breach."""
 
 from __future__ import annotations
 
@@ -12,6 +13,19 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 FLOORS = ("engine", "deployments", "loadtest")  # each may import only those before it and itself
+# Each floor's rooms, lowest first: a module may import its own room and those before it.
+# A module at a floor's top level (engine/config.py, loadtest/bench.py) is a room of its own.
+ROOMS = {
+    "engine": ("engine.request", "engine.kernels", "engine.model", "engine.sampling", "engine.config",
+               "engine.core", "engine.frontend", "engine"),
+    "deployments": ("deployments.observability", "deployments.routing", "deployments.api", "deployments.replicas",
+                    "deployments.app", "deployments"),
+    "loadtest": ("loadtest.client", "loadtest.chaos", "loadtest.peers", "loadtest.scale", "loadtest.bench",
+                 "loadtest.engine_bench", "loadtest.micro", "loadtest.fuzz", "loadtest.lmeval_check",
+                 "loadtest.locustfile", "loadtest.make_checkpoint", "loadtest"),
+}
+# The room that needs no torch: the processes that only check requests import it alone.
+NO_TORCH = "engine.request"
 MAX_FUNCTION_LINES = 40
 
 
@@ -55,7 +69,7 @@ def floor(module: str) -> int:
 
 
 def resolve(module: str, names: list[str], known: set[str]) -> list[str]:
-    """The project modules an import loads: `from engine import outputs` loads engine.outputs."""
+    """The project modules an import loads: `from engine.request import outputs` loads engine.request.outputs."""
     submodules = [f"{module}.{name}" for name in names if f"{module}.{name}" in known]
     return [module, *submodules] if module in known else submodules
 
@@ -67,24 +81,54 @@ def import_graph() -> dict[str, set[str]]:
             for p in files}
 
 
-@pytest.mark.parametrize("path", source_files(), ids=lambda p: str(p.relative_to(ROOT)))
-def test_no_import_points_up_a_floor(path: Path) -> None:
-    here = floor(module_name(path))
-    upward = [f"line {line}: {module}" for module, _, line in project_imports(path)
-              if module.split(".")[0] == "tests" or floor(module) > here]
-    assert upward == [], f"{FLOORS[here]} may import only {FLOORS[: here + 1]}"
+def room(module: str) -> str:
+    parts = module.split(".")
+    return ".".join(parts[:2]) if len(parts) > 1 else parts[0]
+
+
+def room_rank(module: str) -> int:
+    return ROOMS[module.split(".")[0]].index(room(module))
+
+
+def breaches(check) -> list[str]:
+    return [f"{path.relative_to(ROOT)}:{line}: {module}" for path in source_files()
+            for module, names, line in project_imports(path) if check(module_name(path), module)]
+
+
+def test_no_import_points_up_a_floor() -> None:
+    upward = breaches(lambda here, there: there.split(".")[0] == "tests" or floor(there) > floor(here))
+    assert upward == [], f"each of {FLOORS} may import only those before it"
+
+
+def test_no_import_points_up_a_room() -> None:
+    upward = breaches(lambda here, there: there.split(".")[0] == here.split(".")[0] and room_rank(there) > room_rank(here))
+    assert upward == [], f"each floor's rooms, lowest first: {ROOMS}"
+
+
+def test_every_module_is_in_a_room_and_every_room_says_its_job() -> None:
+    homeless = [module_name(p) for p in source_files() if room(module_name(p)) not in ROOMS[module_name(p).split(".")[0]]]
+    silent = [str(p.relative_to(ROOT)) for p in source_files() if p.name == "__init__.py"
+              and not ast.get_docstring(ast.parse(p.read_text(encoding="utf-8")))]
+    assert (homeless, silent) == ([], [])
+
+
+def test_the_request_room_runs_without_torch() -> None:
+    heavy = [f"{p.relative_to(ROOT)}: {alias.name}" for p in (ROOT / "engine" / "request").rglob("*.py")
+             for node in runtime_nodes(ast.parse(p.read_text(encoding="utf-8"))) if isinstance(node, ast.Import)
+             for alias in node.names if alias.name.split(".")[0] in ("torch", "numpy", "transformers")]
+    outside = breaches(lambda here, there: room(here) == NO_TORCH and room(there) != NO_TORCH)
+    assert (heavy, outside) == ([], [])
 
 
 # Test files that specify one module's private pieces directly (a fast path against its
 # definition): each may reach into that module only.
-PRIVATE_ACCESS = {"tests/test_sampling.py": "engine.sampler", "tests/test_decode_attention.py": "engine.attention"}
+PRIVATE_ACCESS = {"tests/test_sampling.py": "engine.sampling.sampler", "tests/test_decode_attention.py": "engine.model.attention"}
 
 
-@pytest.mark.parametrize("path", source_files((*FLOORS, "tests")), ids=lambda p: str(p.relative_to(ROOT)))
-def test_no_private_name_is_imported_from_another_file(path: Path) -> None:
-    allowed = PRIVATE_ACCESS.get(str(path.relative_to(ROOT)))
-    private = [f"line {line}: {module}.{name}" for module, names, line in project_imports(path)
-               for name in names if name.startswith("_") and module != allowed]
+def test_no_private_name_is_imported_from_another_file() -> None:
+    private = [f"{path.relative_to(ROOT)}:{line}: {module}.{name}" for path in source_files((*FLOORS, "tests"))
+               for module, names, line in project_imports(path) for name in names
+               if name.startswith("_") and module != PRIVATE_ACCESS.get(str(path.relative_to(ROOT)))]
     assert private == []
 
 
@@ -104,10 +148,9 @@ def test_there_is_no_import_circle() -> None:
         visit(module, [])
 
 
-@pytest.mark.parametrize("path", source_files(), ids=lambda p: str(p.relative_to(ROOT)))
-def test_every_function_fits_on_a_screen(path: Path) -> None:
-    long = [f"{node.name} (line {node.lineno}): {node.end_lineno - node.lineno + 1} lines"
-            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+def test_every_function_fits_on_a_screen() -> None:
+    long = [f"{path.relative_to(ROOT)}: {node.name} (line {node.lineno}): {node.end_lineno - node.lineno + 1} lines"
+            for path in source_files() for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
             and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES]
     assert long == [], "a long function is a missing name"

@@ -14,7 +14,7 @@ import pytest
 import torch
 import transformers
 
-from engine.loader import hub_is_reachable, load_state_dict, load_tokenizer, resolve_model
+from engine.model.loader import hub_is_reachable, load_state_dict, load_tokenizer, resolve_model
 
 UNREACHABLE_HUB = "http://127.0.0.1:9"  # discard port: connection refused at once
 MARKER = "<rayinfer-marker>"  # a token only the directory's own tokenizer has
@@ -57,7 +57,7 @@ def test_known_names_resolve_offline_to_random_weights(name: str, n_layer: int, 
 
 def test_auto_falls_back_to_random_weights_with_a_warning_within_seconds(caplog: pytest.LogCaptureFixture) -> None:
     started = time.monotonic()
-    with caplog.at_level(logging.WARNING, logger="engine.loader"):
+    with caplog.at_level(logging.WARNING, logger="engine.model.loader"):
         source = resolve_model("gpt2", weights="auto")
     assert time.monotonic() - started < 5
     assert source.weights == "random"
@@ -162,8 +162,8 @@ def test_a_gpt2_tokenizer_loads_by_its_class_as_auto_tokenizer_would(marked_mode
 
 def test_loading_a_gpt2_tokenizer_imports_no_torch(marked_model_dir: Path) -> None:
     """What lets a tokenizer replica start without torch (tests/test_serve_api.py checks the replicas)."""
-    code = f"import sys; from engine.loader import load_tokenizer; load_tokenizer({str(marked_model_dir)!r}); " \
-           "print(sorted(m for m in ('torch', 'engine.llm_engine') if m in sys.modules))"
+    code = f"import sys; from engine.model.loader import load_tokenizer; load_tokenizer({str(marked_model_dir)!r}); " \
+           "print(sorted(m for m in ('torch', 'engine.core.llm_engine') if m in sys.modules))"
     result = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1],
                             capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"

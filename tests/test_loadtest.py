@@ -24,16 +24,16 @@ from starlette.responses import StreamingResponse
 from starlette.routing import Route
 
 from loadtest import bench
-from loadtest.ceiling import median_run
+from loadtest.micro.ceiling import median_run
 from loadtest.engine_bench import Result
-from loadtest.headless import run_locust
-from loadtest.http_target import BenchConfig, Target, heap_frozen, request_body, run_benchmark
-from loadtest.offline_target import OfflineTarget, run_offline
-from loadtest.prompts import WORDS, Distribution, make_prompt
-from loadtest.results import BenchResult, Summary, percentile, summarize
-from loadtest.sse import SSEParser, StreamRecord, parse_chunk
-from loadtest.tables import repeats_table
-from loadtest.workload import Workload, arrival_gaps
+from loadtest.client.headless import run_locust
+from loadtest.client.http_target import BenchConfig, Target, heap_frozen, request_body, run_benchmark
+from loadtest.client.offline_target import OfflineTarget, run_offline
+from loadtest.client.prompts import WORDS, Distribution, make_prompt
+from loadtest.client.results import BenchResult, Summary, percentile, summarize
+from loadtest.client.sse_reader import SSEParser, StreamRecord, parse_chunk
+from loadtest.client.tables import repeats_table
+from loadtest.client.workload import Workload, arrival_gaps
 
 REPO = Path(__file__).resolve().parent.parent
 SERVER_TIMING = {"tokenize_ms": 1.5, "queue_wait_ms": 2.5, "prefill_ms": 3.5, "ttft_ms": 8.0}

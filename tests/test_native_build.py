@@ -1,4 +1,4 @@
-"""Where an engine's C++ kernels (engine/native.py) come from. `pip install` builds them
+"""Where an engine's C++ kernels (engine/kernels/native.py) come from. `pip install` builds them
 (setup.py), and an engine loads the library for its CPU's ISA without compiling anything;
 where the install built none for these sources, the engine builds them itself, and where it
 cannot, it runs torch's ops and says so once. A build of its own survives a build that was
@@ -19,16 +19,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import kernel_sources, native
+from engine.kernels import kernel_sources, native
 
 ROOT = Path(__file__).resolve().parents[1]
 
 _LOAD = ("import logging; logging.basicConfig(level=logging.INFO); "
-         "from engine import native; native.load(); print('loaded')")
+         "from engine.kernels import native; native.load(); print('loaded')")
 # The kernel libraries this process has mapped, the installed ones' or a build's of its own.
 _MAPPED = "; print(sorted({l.split()[-1] for l in open('/proc/self/maps') if 'kernels_' in l}))"
 # The fault: what building the kernels raises on a machine without a compiler.
-_NO_COMPILER = ("import engine.native as native\n"
+_NO_COMPILER = ("import engine.kernels.native as native\n"
                 "def no_compiler(isa): raise RuntimeError(\"Error building extension: c++: not found\")\n"
                 "native.build_just_in_time = no_compiler\n")
 
@@ -66,7 +66,7 @@ def test_an_engine_loads_the_library_the_install_built_for_its_isa_without_compi
 def test_an_install_older_than_the_sources_is_not_loaded(tmp_path):
     """An edited kernel in an editable install builds again rather than run the old library."""
     checkout = clone(tmp_path, with_libraries=True)
-    with (checkout / "engine" / "csrc" / "kv_write.cpp").open("a") as source:
+    with (checkout / "engine" / "kernels" / "csrc" / "kv_write.cpp").open("a") as source:
         source.write("// edited\n")
     code = _NO_COMPILER + "try: native.load()\nexcept RuntimeError: print('not built')" + _MAPPED
     done = run_in(checkout, "import logging; logging.basicConfig(level=logging.INFO)\n" + code)
@@ -127,6 +127,6 @@ def test_another_checkout_of_the_same_sources_loads_the_build_without_compiling(
     before = built(native.build_directory(native.isa_build()))
     other = clone(tmp_path / "other", with_libraries=False)
     done = run_in(other, _LOAD + "; print(native.__file__)")
-    assert done.stdout.split()[-1] == str(other / "engine" / "native.py")  # the other clone's code ran
+    assert done.stdout.split()[-1] == str(other / "engine" / "kernels" / "native.py")  # the other clone's code ran
     assert len(before) == len(native.SOURCES) + 1  # an object a source, and the library
     assert built(native.build_directory(native.isa_build())) == before

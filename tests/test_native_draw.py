@@ -1,4 +1,4 @@
-"""The sampler's C++ draw (engine/csrc/sampling.cpp): each row's argmax as torch.argmax
+"""The sampler's C++ draw (engine/kernels/csrc/sampling.cpp): each row's argmax as torch.argmax
 gives it, and the token torch's inverse-CDF draw picks at the same uniform, on vocabularies
 that end inside a vector and inside a chunk, from float32 logits and from the model's bf16
 or fp16 ones as from their float32 copy; never a token without mass; chosen by the engine's
@@ -11,8 +11,9 @@ import logging
 import pytest
 import torch
 
-from engine import LLM, EngineConfig, SamplingParams, native
-from engine.sampler import draw as torch_draw
+from engine import LLM, EngineConfig, SamplingParams
+from engine.kernels import native
+from engine.sampling.sampler import draw as torch_draw
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from deployments.app import build_app
-from loadtest.headless import run_locust
+from loadtest.client.headless import run_locust
 from tests.serve_helpers import free_port, running_app, tiny_app_args
 
 pytestmark = pytest.mark.serve

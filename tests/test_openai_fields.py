@@ -16,7 +16,7 @@ import torch
 import transformers
 
 from deployments.app import build_app
-from deployments.protocol import ChatBody, CompletionBody, DetokenizeBody, GenerateBody
+from deployments.api.protocol import ChatBody, CompletionBody, DetokenizeBody, GenerateBody
 from engine import LLM, SamplingParams
 from tests.http_helpers import assert_openai_error
 from tests.serve_helpers import running_app, tiny_app_args
@@ -339,7 +339,7 @@ def test_the_last_seed_with_n_choices_is_served_their_seeds_wrapping_within_int6
     assert len(response.json()["choices"]) == 2
 
 
-# ---- numbers at JSON's edges (the decisions: deployments/errors.py) ----
+# ---- numbers at JSON's edges (the decisions: deployments/api/errors.py) ----
 
 ROUTES = {CompletionBody: "/v1/completions", ChatBody: "/v1/chat/completions", GenerateBody: "/generate",
           DetokenizeBody: "/detokenize"}

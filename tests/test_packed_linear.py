@@ -11,8 +11,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import LLM, SamplingParams, cpu, llm_engine
-from engine.packed_linear import PackedLinear, can_pack
+from engine import LLM, SamplingParams
+from engine.core import llm_engine
+from engine.kernels import cpu
+from engine.model.packed_linear import PackedLinear, can_pack
 from tests.engine_helpers import greedy_logprobs, mixed_prompts
 
 needs_bf16_packing = pytest.mark.skipif(

@@ -1,4 +1,4 @@
-"""The router's policy (deployments/prefix_routing.py) on its own: a prompt's key is the
+"""The router's policy (deployments/routing/prefix_routing.py) on its own: a prompt's key is the
 engine's own prefix-cache key, every process computes the same one, rendezvous order moves
 few keys when replicas come and go, and the load bound caps every replica."""
 
@@ -11,16 +11,16 @@ import subprocess
 import sys
 from collections import Counter
 
-from deployments.prefix_routing import (
+from deployments.routing.prefix_routing import (
     Choice, block_hashes, choose, choose_by_work, load_bound, prefix_key, rendezvous_order, request_work,
 )
-from deployments.cache_shadow import CacheShadow
-from deployments.engine_load import LOAD_LOG_DIR_ENV, LoadLog, read_load_logs
-from deployments.router import request_load
-from engine.block_manager import BlockManager
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
-from loadtest.load_balance import arrival_loads
+from deployments.routing.cache_shadow import CacheShadow
+from deployments.routing.engine_load import LOAD_LOG_DIR_ENV, LoadLog, read_load_logs
+from deployments.routing.router import request_load
+from engine.core.block_manager import BlockManager
+from engine.request.sampling_params import SamplingParams
+from engine.core.sequence import Sequence
+from loadtest.scale.load_balance import arrival_loads
 
 BLOCK = 16
 REPLICAS = [f"replica-{i}" for i in range(4)]
@@ -59,7 +59,7 @@ def test_every_process_computes_the_same_keys_and_order():
     """Several ingress replicas route at once, each with its own router: they agree only if
     the key and the order do not depend on the process (Python salts str hashes)."""
     tokens = list(range(300))
-    code = ("import json; from deployments.prefix_routing import prefix_key, rendezvous_order; "
+    code = ("import json; from deployments.routing.prefix_routing import prefix_key, rendezvous_order; "
             f"k = prefix_key({tokens}, {BLOCK}, 4); print(json.dumps([k, rendezvous_order(k, {REPLICAS})]))")
     outputs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
                for _ in range(2)}

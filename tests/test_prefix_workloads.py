@@ -9,8 +9,8 @@ from collections import Counter
 
 import yaml
 
-from deployments.router import PrefixAffinityRouter
-from loadtest.prefix_workloads import PrefixWorkload
+from deployments.routing.router import PrefixAffinityRouter
+from loadtest.scale.prefix_workloads import PrefixWorkload
 
 
 def test_requests_on_one_prefix_share_exactly_its_tokens(gpt2_tokenizer):
@@ -45,7 +45,7 @@ def test_the_ideal_is_one_miss_per_prefix():
 def test_each_setup_is_judged_against_its_routers_bound_with_the_routers_own_defaults(tmp_path):
     """scale_bench: the config's request_router_kwargs, then the setup's; what both leave
     out is what PrefixAffinityRouter itself defaults to."""
-    from loadtest.scale_bench import router_kwargs
+    from loadtest.scale.scale_bench import router_kwargs
 
     config = tmp_path / "router.yaml"
     config.write_text(yaml.safe_dump({"applications": [{"deployments": [{

@@ -1,6 +1,6 @@
-"""Prompts to checked token ids (deployments/encoding.py's Encoder, which the tokenizer
+"""Prompts to checked token ids (deployments/api/encoding.py's Encoder, which the tokenizer
 deployment and the ingress share), and which prompts the ingress encodes itself
-(deployments/prompt_encoding.py). Both paths through real Serve: tests/test_observability.py."""
+(deployments/api/prompt_encoding.py). Both paths through real Serve: tests/test_observability.py."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import asyncio
 
 import pytest
 
-from deployments.encoding import ChatMessage, EncodeError, EncodeRequest, Encoded, Encoder
-from deployments.errors import ApiError
-from deployments.metrics import TokenizerMetrics
-from deployments.prompt_encoding import PromptEncoding
+from deployments.api.encoding import ChatMessage, EncodeError, EncodeRequest, Encoded, Encoder
+from deployments.api.errors import ApiError
+from deployments.observability.metrics import TokenizerMetrics
+from deployments.api.prompt_encoding import PromptEncoding
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ import ray
 from ray import serve
 
 from deployments.app import make_app
-from deployments.prompt_encoding import DEFAULT_LOCAL_MAX_CHARS
+from deployments.api.prompt_encoding import DEFAULT_LOCAL_MAX_CHARS
 from engine import LLM, SamplingParams
 from tests.http_helpers import (
     MODEL, PROMPTS, Stream, assert_openai_error, check_engine_integrity, greedy, health_of, run_async, until,

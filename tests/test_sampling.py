@@ -8,9 +8,10 @@ import pickle
 import pytest
 import torch
 
-from engine import LLM, SamplingParams, native
-from engine.invalid_request import InvalidRequestError
-from engine.sampler import _filter_top_k_top_p, Sampler, SamplingBatch
+from engine import LLM, SamplingParams
+from engine.kernels import native
+from engine.request.invalid_request import InvalidRequestError
+from engine.sampling.sampler import _filter_top_k_top_p, Sampler, SamplingBatch
 from tests.engine_helpers import mixed_prompts
 
 

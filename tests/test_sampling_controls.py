@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.logits_controls import LogitsControls
-from engine.sampler import Sampler, SamplingBatch
-from engine.sampling_params import select_best
-from engine.sequence import Sequence
+from engine.sampling.logits_controls import LogitsControls
+from engine.sampling.sampler import Sampler, SamplingBatch
+from engine.request.sampling_params import select_best
+from engine.core.sequence import Sequence
 from tests.engine_helpers import hf_greedy, hf_model, mixed_prompts
 
 

@@ -1,7 +1,7 @@
-# Each sampling field's range is stated once (engine/sampling_limits.py): the HTTP body and
+# Each sampling field's range is stated once (engine/request/sampling_limits.py): the HTTP body and
 # SamplingParams accept and refuse exactly the same values at its edges. Every range lies
 # within what the sampler's tensors hold (int64, finite float32), and each body refuses the
-# numbers at JSON's edges on purpose (deployments/errors.py lists the decisions): past
+# numbers at JSON's edges on purpose (deployments/api/errors.py lists the decisions): past
 # int64, NaN and Infinity, Unicode digits as token ids, a key given twice.
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ import math
 import pytest
 from pydantic import BaseModel, ValidationError
 
-from deployments.errors import ApiError, invalid_body
-from deployments.http_body import check_no_duplicate_keys
-from deployments.protocol import ChatBody, CompletionBody, DetokenizeBody, GenerateBody
+from deployments.api.errors import ApiError, invalid_body
+from deployments.api.http_body import check_no_duplicate_keys
+from deployments.api.protocol import ChatBody, CompletionBody, DetokenizeBody, GenerateBody
 from engine import SamplingParams
-from engine.sampling_limits import FLOAT32_MAX, INT64_MAX
+from engine.request.sampling_limits import FLOAT32_MAX, INT64_MAX
 
 PAST_INT64 = 2**63
 

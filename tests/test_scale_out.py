@@ -26,10 +26,10 @@ import ray
 from ray import serve
 
 from deployments.app import make_app
-from deployments.engine_load import LOAD_LOG_DIR_ENV, read_load_logs
-from deployments.prefix_routing import prefix_key, rendezvous_order
+from deployments.routing.engine_load import LOAD_LOG_DIR_ENV, read_load_logs
+from deployments.routing.prefix_routing import prefix_key, rendezvous_order
 from engine import SamplingParams
-from loadtest.load_balance import arrival_loads
+from loadtest.scale.load_balance import arrival_loads
 from tests.http_helpers import wait_for
 from tests.serve_helpers import free_port, replica_processes, running_app
 from tests.test_observability import scrape_until
@@ -40,7 +40,7 @@ APP = "rayinfer"
 BLOCK = 16  # EngineConfig's default block_size
 KEY_BLOCKS = 4
 EPS = 0.5
-ROUTER = {"request_router_class": "deployments.router:PrefixAffinityRouter",
+ROUTER = {"request_router_class": "deployments.routing.router:PrefixAffinityRouter",
           "request_router_kwargs": {"load_bound_eps": EPS, "key_blocks": KEY_BLOCKS, "load_unit": "requests"},
           "request_routing_stats_period_s": 0.2}
 # How long until every router's view of the replicas' reports is current: Serve's controller
@@ -77,7 +77,7 @@ def engine_options(num_replicas: int, router: dict = ROUTER) -> dict:
 
 @pytest.fixture(scope="module")
 def load_log_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """Engine replicas log their load here (deployments/engine_load.py), inheriting the
+    """Engine replicas log their load here (deployments/routing/engine_load.py), inheriting the
     variable from this process, which starts Ray."""
     directory = tmp_path_factory.mktemp("load-logs")
     os.environ[LOAD_LOG_DIR_ENV] = str(directory)

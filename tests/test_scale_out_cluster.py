@@ -19,7 +19,7 @@ from ray import serve
 from ray.cluster_utils import Cluster
 
 from deployments.app import make_app
-from deployments.prefix_routing import prefix_key, rendezvous_order
+from deployments.routing.prefix_routing import prefix_key, rendezvous_order
 from tests.serve_helpers import CONTROLLER_OPTIONS, free_port, reaped, running_app, shut_serve_and_ray
 from tests.test_scale_out import (APP, BLOCK, KEY_BLOCKS, ROUTER, app_args, complete, engine_replicas,
                                   new_requests, random_prompt, served)
@@ -30,7 +30,7 @@ AUTOSCALING = {
     "min_replicas": 1, "initial_replicas": 1, "max_replicas": 2,
     "metrics_interval_s": 0.2, "look_back_period_s": 1.0,
     "upscale_delay_s": 0.5, "downscale_delay_s": 3.0,
-    "policy": {"policy_function": "deployments.autoscaling:EngineLoadPolicy",
+    "policy": {"policy_function": "deployments.routing.autoscaling:EngineLoadPolicy",
                "policy_kwargs": {"target_requests": 4, "target_waiting_prompt_tokens": 100000,
                                  "target_kv_cache_usage": 0.99}},
 }

@@ -18,11 +18,11 @@ from ray import serve
 
 from deployments import app as app_module
 from deployments.app import build_app
-from deployments.handles import over_grpc
-from deployments.encoding import Encoded, EncodeRequest
+from deployments.api.handles import over_grpc
+from deployments.api.encoding import Encoded, EncodeRequest
 from engine import LLM, SamplingParams
-from loadtest.workload import Workload
-from loadtest.handle_target import HandleTarget, run_over_handle
+from loadtest.client.workload import Workload
+from loadtest.client.handle_target import HandleTarget, run_over_handle
 from tests.http_helpers import (
     PROMPTS, check_engine_integrity, engine_health, greedy, sse_payloads, wait_until_idle,
 )

@@ -9,7 +9,7 @@ import time
 
 import psutil
 
-from loadtest import serve_process
+from loadtest.client import serve_process
 
 # A stand-in for a serve run that ignores Ctrl-C and has started a child in a session of
 # its own (as Ray's HAProxy manager starts `haproxy`); it prints that child's pid.
@@ -26,7 +26,7 @@ def test_a_child_started_from_a_background_job_still_takes_ctrl_c() -> None:
     # The parent ignores SIGINT, as a background job does; the child reports what it inherited.
     parent = """
 import signal, subprocess, sys
-from loadtest import serve_process
+from loadtest.client import serve_process
 signal.signal(signal.SIGINT, signal.SIG_IGN)
 probe = "import signal; print(signal.getsignal(signal.SIGINT) is signal.SIG_IGN)"
 for preexec in (None, serve_process.restore_sigint):

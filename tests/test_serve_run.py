@@ -12,7 +12,7 @@ import httpx
 import pytest
 import yaml
 
-from deployments.ingress import ON_REPLICA_LOOP
+from deployments.replicas.ingress import ON_REPLICA_LOOP
 from tests.serve_helpers import ROOT, free_port, proxy_process, replica_process, serve_run
 
 pytestmark = pytest.mark.serve

@@ -1,7 +1,7 @@
 """Packed linears take small steps on our kernels (`small_batch_linear`): in bf16 on AVX-512
-BF16, 1 to 64 rows on a weight in panels (engine/csrc/blocked_linear.cpp); in fp32 on the
-AVX2 build, the same on fp32 panels (engine/csrc/blocked_linear_f32.cpp); elsewhere one to
-three rows on the plain weight (engine/csrc/small_linear.cpp); more rows on oneDNN's, with the
+BF16, 1 to 64 rows on a weight in panels (engine/kernels/csrc/blocked_linear.cpp); in fp32 on the
+AVX2 build, the same on fp32 panels (engine/kernels/csrc/blocked_linear_f32.cpp); elsewhere one to
+three rows on the plain weight (engine/kernels/csrc/small_linear.cpp); more rows on oneDNN's, with the
 epilogues inductor would have fused (GELU, the residual add). The op is checked against float64 products; the engine on it
 against the reference path (F.linear) the way vLLM checks kernels against HF: the same greedy
 tokens, or where they diverge each side's token within the other's top 5, logprobs close."""
@@ -12,8 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import LLM, EngineConfig, SamplingParams, cpu
-from engine.packed_linear import PackedLinear, can_pack, in_panels, load_few_rows
+from engine import LLM, EngineConfig, SamplingParams
+from engine.kernels import cpu
+from engine.model.packed_linear import PackedLinear, can_pack, in_panels, load_few_rows
 from tests.engine_helpers import greedy_logprobs, mixed_prompts
 
 DTYPES = [

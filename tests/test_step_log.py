@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from engine import LLM, SamplingParams
-from engine.step_log import StepLog, StepRecord
+from engine.core.step_log import StepLog, StepRecord
 
 
 def make_llm(model_dir, **config) -> LLM:

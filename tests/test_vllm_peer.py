@@ -1,4 +1,4 @@
-# vLLM's CPU build as a bench peer (loadtest/vllm_peer.py), the per-process CPU report and
+# vLLM's CPU build as a bench peer (loadtest/peers/vllm_peer.py), the per-process CPU report and
 # the peer table's config. The test against a real vLLM skips where its venv is absent
 # (CI); everything else runs without vLLM.
 from __future__ import annotations
@@ -18,11 +18,11 @@ import transformers
 import yaml
 
 from loadtest import bench
-from loadtest.http_target import BenchConfig, run_benchmark
-from loadtest.workload import Workload
-from loadtest.cpu_usage import cpu_since, cpu_snapshot
-from loadtest.peer_table import parse_args, serve_config
-from loadtest.vllm_peer import (
+from loadtest.client.http_target import BenchConfig, run_benchmark
+from loadtest.client.workload import Workload
+from loadtest.client.cpu_usage import cpu_since, cpu_snapshot
+from loadtest.peers.peer_table import parse_args, serve_config
+from loadtest.peers.vllm_peer import (
     ISA_CAP_DIR, TCMALLOC, VllmServer, VllmServerConfig, VllmSetup, find_vllm, require_vllm, run_vllm_offline_target,
     start_vllm_target,
 )  # fmt: skip
@@ -102,7 +102,7 @@ def test_cpu_since_counts_a_process_that_retitled_itself_from_the_snapshot_not_f
     the same process, whose CPU before the run must not count."""
     before = cpu_snapshot()
     mine = before[os.getpid()]
-    monkeypatch.setattr("loadtest.cpu_usage._name", lambda name, cmdline: "ray::retitled")
+    monkeypatch.setattr("loadtest.client.cpu_usage._name", lambda name, cmdline: "ray::retitled")
     deadline = time.process_time() + 0.2
     while time.process_time() < deadline:
         pass

@@ -1,0 +1,203 @@
+"""rayinfer's own metrics, recorded with Ray's metrics API from inside the replicas.
+
+Ray exports them (prefixed `ray_`) on every node's metrics endpoint, so they appear in
+Prometheus, the Ray dashboard's Metrics view and configs/grafana/rayinfer.json. Each replica
+records its own series; Prometheus sums them across replicas.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable
+
+from ray.serve import metrics as serve_metrics
+from ray.util.metrics import Counter, Gauge, Histogram
+
+from engine.request.outputs import EngineStats
+from engine.core.step_log import StepRecord
+
+_LATENCY_BUCKETS_S = [0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30, 60]
+_TPOT_BUCKETS_S = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28]
+_BATCH_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128]
+# Ray rebuilds a histogram's observations from its buckets' midpoints (its OpenTelemetry
+# recorder), so `_sum / _count` is only as fine as the buckets: steps run 1-40 ms on the
+# machines measured, where these are 1.25-1.5x apart.
+_STEP_BUCKETS_S = [0.0005, 0.001, 0.0015, 0.002, 0.003, 0.004, 0.005, 0.006, 0.008, 0.01, 0.0125, 0.015, 0.0175,
+                   0.02, 0.025, 0.03, 0.035, 0.04, 0.05, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5]
+_STEP_TOKEN_BUCKETS = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 1024, 2048, 4096, 8192]
+_ENGINE_METRICS_PERIOD_S = 1.0
+
+
+class RequestMetrics:
+    """Per-request figures, recorded by the ingress as each request ends."""
+
+    def __init__(self) -> None:
+        self.requests = Counter("rayinfer_requests", "HTTP requests by endpoint and status code.",
+                                tag_keys=("endpoint", "status"))
+        self.ttft = Histogram("rayinfer_ttft_seconds", "Time to first token, from request receipt.",
+                              boundaries=_LATENCY_BUCKETS_S)
+        self.tpot = Histogram("rayinfer_tpot_seconds", "Time per output token after the first.",
+                              boundaries=_TPOT_BUCKETS_S)
+        self.e2e = Histogram("rayinfer_e2e_seconds", "End-to-end request latency.", boundaries=_LATENCY_BUCKETS_S)
+        self.queue_wait = Histogram("rayinfer_queue_wait_seconds", "Time waiting for the engine's scheduler.",
+                                    boundaries=_LATENCY_BUCKETS_S)
+        self.prompt_tokens = Counter("rayinfer_prompt_tokens", "Prompt tokens processed.")
+        self.completion_tokens = Counter("rayinfer_completion_tokens", "Completion tokens generated.")
+
+    def record_request(self, endpoint: str, status: int) -> None:
+        self.requests.inc(1, tags={"endpoint": endpoint, "status": str(status)})
+
+    def record_completion(self, *, ttft_s: float | None, e2e_s: float, queue_wait_s: float | None,
+                          num_prompt_tokens: int, num_completion_tokens: int) -> None:
+        self.e2e.observe(e2e_s)
+        if ttft_s is not None:
+            self.ttft.observe(ttft_s)
+            if num_completion_tokens > 1:
+                self.tpot.observe((e2e_s - ttft_s) / (num_completion_tokens - 1))
+        if queue_wait_s is not None:
+            self.queue_wait.observe(queue_wait_s)
+        if num_prompt_tokens > 0:
+            self.prompt_tokens.inc(num_prompt_tokens)
+        if num_completion_tokens > 0:
+            self.completion_tokens.inc(num_completion_tokens)
+
+
+class EngineMetrics:
+    """The engine's state, sampled by the engine replica."""
+
+    def __init__(self) -> None:
+        self.running = Gauge("rayinfer_running_requests", "Requests in the running batch.")
+        self.waiting = Gauge("rayinfer_waiting_requests", "Requests waiting to be scheduled.")
+        self.kv_usage = Gauge("rayinfer_kv_cache_usage", "Fraction of KV cache blocks in use (0..1).")
+        self.kv_blocks_used = Gauge("rayinfer_kv_blocks_used", "KV cache blocks in use.")
+        self.kv_blocks_total = Gauge("rayinfer_kv_blocks_total", "KV cache blocks in the pool.")
+        self.prefix_hit_rate = Gauge("rayinfer_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache (0..1).")
+        self.preemptions = Counter("rayinfer_preemptions", "Sequences preempted for lack of KV blocks.")
+        self.step_time = Histogram("rayinfer_engine_step_seconds",
+                                   "Time of one engine step (schedule, forward, sample), by kind: prefill "
+                                   "if it computed any prompt tokens, else decode.",
+                                   boundaries=_STEP_BUCKETS_S, tag_keys=("kind",))
+        self.step_tokens = Histogram("rayinfer_iteration_tokens", "Tokens computed per engine step.",
+                                     boundaries=_STEP_TOKEN_BUCKETS)
+        self._last_preemptions = 0
+
+    def update(self, stats: EngineStats) -> None:
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.kv_usage.set(stats.kv_cache_usage)
+        self.kv_blocks_used.set(stats.num_kv_blocks_used)
+        self.kv_blocks_total.set(stats.num_kv_blocks_total)
+        self.prefix_hit_rate.set(stats.prefix_cache_hit_rate)
+        if stats.num_preemptions > self._last_preemptions:
+            self.preemptions.inc(stats.num_preemptions - self._last_preemptions)
+            self._last_preemptions = stats.num_preemptions
+
+    def record_steps(self, steps: list[StepRecord]) -> None:
+        for step in steps:
+            self.step_time.observe(step.duration_s, tags={"kind": step.kind})
+            self.step_tokens.observe(step.num_tokens)
+
+
+class RouterMetrics:
+    """The engine router's decisions and the engine replicas it sees, recorded by each
+    handle's PrefixAffinityRouter (in the ingress replicas). Spills are the routed requests
+    with decision="spill"."""
+
+    def __init__(self) -> None:
+        tags = ("engine_replica",)
+        self.routed = serve_metrics.Counter(
+            "rayinfer_router_routed_requests", "Engine requests routed, by replica and decision "
+            "(affinity: the prefix's first choice; spill: it was over the load bound; least_loaded: no prefix).",
+            tag_keys=("engine_replica", "decision"))
+        self.replicas = serve_metrics.Gauge("rayinfer_router_engine_replicas", "Engine replicas the router sees.")
+        self.hit_rate = serve_metrics.Gauge("rayinfer_engine_replica_prefix_cache_hit_rate",
+                                            "Prompt tokens served from each engine replica's prefix cache (0..1).",
+                                            tag_keys=tags)
+        self.active = serve_metrics.Gauge("rayinfer_engine_replica_active_requests",
+                                          "Requests in each engine replica, as it last reported.", tag_keys=tags)
+
+    def record_routed(self, replica_id: str, decision: str) -> None:
+        self.routed.inc(1, tags={"engine_replica": replica_id, "decision": decision})
+
+    def record_replicas(self, routing_stats: dict[str, dict]) -> None:
+        self.replicas.set(len(routing_stats))
+        for replica_id, stats in routing_stats.items():
+            if "num_prefix_queried_tokens" in stats:
+                rate = stats["num_prefix_hit_tokens"] / max(stats["num_prefix_queried_tokens"], 1)
+                self.hit_rate.set(rate, tags={"engine_replica": replica_id})
+                self.active.set(stats["num_active"], tags={"engine_replica": replica_id})
+
+
+class EngineMetricsReporter:
+    """Samples the engine's stats into EngineMetrics once a second, from its own thread, and
+    records the steps taken since (off the step loop's thread: a step only appends a record)."""
+
+    def __init__(self, stats: Callable[[], EngineStats], steps: Callable[[], list[StepRecord]]) -> None:
+        self._stats = stats
+        self._steps = steps
+        self._metrics = EngineMetrics()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rayinfer-metrics", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(_ENGINE_METRICS_PERIOD_S):
+            self._metrics.update(self._stats())
+            self._metrics.record_steps(self._steps())
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+class TokenizerMetrics:
+    """Prompts encoded `where`: "deployment" (the tokenizer deployment's batches) or "ingress"
+    (short prompts the ingress encodes itself, a request's prompts a batch)."""
+
+    def __init__(self, where: str) -> None:
+        self.batch_size = Histogram("rayinfer_tokenizer_batch_size", "Requests encoded per batched call.",
+                                    boundaries=_BATCH_BUCKETS, tag_keys=("where",))
+        self.latency = Histogram("rayinfer_tokenizer_latency_seconds", "Time to encode one batch.",
+                                 boundaries=_LATENCY_BUCKETS_S, tag_keys=("where",))
+        for metric in (self.batch_size, self.latency):
+            metric.set_default_tags({"where": where})
+
+    def record_batch(self, size: int, latency_s: float) -> None:
+        self.batch_size.observe(size)
+        self.latency.observe(latency_s)
+
+
+@functools.cache
+def request_metrics() -> RequestMetrics:
+    """This process's RequestMetrics, made on first use inside the replica (Ray metrics
+    register with the worker they are created in)."""
+    return RequestMetrics()
+
+
+_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/generate", "/v1/models", "/health")
+
+
+class RequestCounterMiddleware:
+    """Counts HTTP requests by endpoint and final status (pure ASGI, so streaming responses
+    and client disconnects pass through untouched)."""
+
+    def __init__(self, app: Callable) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = 500
+
+        async def send_and_note_status(message: dict) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_note_status)
+        finally:
+            endpoint = scope["path"] if scope["path"] in _ENDPOINTS else "other"
+            request_metrics().record_request(endpoint, status)

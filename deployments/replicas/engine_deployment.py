@@ -1,0 +1,127 @@
+"""Engine deployment: one replica holds one AsyncEngine (model, paged KV cache, step loop).
+
+`generate` streams the engine's GenerationChunks over a Ray streaming response. When the
+caller cancels (client disconnect, stop string matched in the ingress), Serve raises
+CancelledError inside `generate`; closing the engine's iterator aborts the request, and
+its KV blocks are free by the end of the next step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import AsyncIterator
+
+import psutil
+from ray import serve
+from ray.serve.schema import ReplicaRank
+
+from deployments.routing import chunk_budget
+from deployments.routing.chunk_budget import ChunkBudget
+from deployments.replicas.cpu_binding import ReplicaCores
+from deployments.api.engine_client import EngineStatus
+from deployments.routing.engine_load import EngineLoad, LoadLog
+from deployments.observability.logs import route_logs_to_serve
+from deployments.observability.metrics import EngineMetricsReporter
+from engine import AsyncEngine, EngineConfig, GenerationChunk, ModelInfo, SamplingParams
+
+
+FAULT_INJECTION_ENV = "RAYINFER_ENABLE_FAULT_INJECTION"  # "1" only in tests
+
+logger = logging.getLogger("ray.serve")  # the replica's log file
+
+
+class EngineReplica:
+    """An engine replica's methods: the engine deployment's, and the HTTP engine's too
+    (deployments/replicas/engine_server.py), which serves the routes in the same process."""
+
+    def __init__(self, config: EngineConfig, max_chunks_per_s: ChunkBudget = "auto", cpu_bind: str = "nobind") -> None:
+        route_logs_to_serve("engine")
+        chunks_per_s = chunk_budget.resolve(max_chunks_per_s)  # before binding narrows this process's CPUs
+        logger.info("streaming at most %s chunks/s across all streams (max_chunks_per_s: %s)", chunks_per_s,
+                    max_chunks_per_s)
+        self._cores = ReplicaCores(cpu_bind if config.device == "cpu" else "nobind", config.cpu_threads)
+        self._cores.follow(serve.get_replica_context().rank.local_rank)  # before the engine's threads start
+        self._engine = AsyncEngine(config, max_chunks_per_s=chunks_per_s)
+        self._metrics = EngineMetricsReporter(self._engine.stats, self._engine.drain_steps)
+        self._num_requests = 0
+        self._load_log = LoadLog(serve.get_replica_context().replica_id.unique_id, config.block_size,
+                                 self._engine.stats().num_kv_blocks_total)
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       params: SamplingParams) -> AsyncIterator[GenerationChunk]:
+        """Every token ready since the last chunk; the last chunk has a finish_reason.
+
+        Raises ValueError before the first chunk for a request that can never run.
+        """
+        self._num_requests += 1
+        self._load_log.arrived(request_id, prompt_token_ids, params.max_tokens)
+        try:
+            async with contextlib.aclosing(self._engine.generate(request_id, prompt_token_ids, params)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+        finally:
+            self._load_log.left(request_id)
+
+    def reconfigure(self, user_config: None, rank: ReplicaRank) -> None:
+        """Serve calls this once the replica is up, and whenever it gives the replica a new
+        rank (with `rank` in the signature, a deployment without a user_config gets the call)."""
+        self._cores.follow(rank.local_rank)
+
+    def model_info(self) -> ModelInfo:
+        return self._engine.model_info
+
+    def status(self) -> EngineStatus:
+        return EngineStatus(self._engine.model_info, self._engine.stats(), self._engine.num_active_requests(),
+                            self._engine.is_dead, psutil.Process().memory_info().rss)
+
+    async def record_routing_stats(self) -> dict:
+        """For the router (deployments/routing/router.py), polled by Serve; async so it reads the
+        engine's streams on the loop that changes them."""
+        return EngineLoad.of(self._engine, self._num_requests).routing_stats()
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """For EngineLoadPolicy (deployments/routing/autoscaling.py), polled by Serve."""
+        return EngineLoad.of(self._engine, self._num_requests).autoscaling_stats()
+
+    def check_health(self) -> None:
+        """Serve restarts the replica when this raises: the step loop has died."""
+        self._engine.check_health()
+
+    async def check_integrity(self) -> None:
+        """Raises AssertionError if the KV pool's invariants fail (tests' leak checks)."""
+        await self._engine.check_integrity()
+
+    def inject_fault_for_tests(self) -> None:
+        """Crash the step loop at its next step, as a bug in the model would. Refused
+        unless the replica's environment has RAYINFER_ENABLE_FAULT_INJECTION=1."""
+        if os.environ.get(FAULT_INJECTION_ENV) != "1":
+            raise PermissionError(f"fault injection is off (set {FAULT_INJECTION_ENV}=1 in tests only)")
+        self._engine.inject_fault(RuntimeError("fault injected by a test"))
+
+    def __del__(self) -> None:
+        self.stop_engine()
+
+    def stop_engine(self) -> None:
+        metrics = getattr(self, "_metrics", None)
+        if metrics is not None:
+            metrics.stop()
+        engine = getattr(self, "_engine", None)
+        if engine is not None:
+            engine.shutdown()
+
+
+ENGINE_OPTIONS = dict(
+    ray_actor_options={"num_cpus": 0.5},  # build_app adds num_gpus: 1 where the cluster has GPUs
+    graceful_shutdown_timeout_s=30,
+    health_check_period_s=2,  # how soon Serve notices a dead replica (RELIABILITY.md)
+)
+
+EngineDeployment = serve.deployment(
+    name="EngineDeployment",
+    max_ongoing_requests=256,  # continuous batching wants every stream in the engine at once
+    max_queued_requests=64,  # past it the ingress's handle raises BackPressureError: a 429
+    logging_config={"enable_access_log": False},
+    **ENGINE_OPTIONS,
+)(EngineReplica)

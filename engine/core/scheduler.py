@@ -1,0 +1,159 @@
+"""Continuous batching: which sequences run this step, and how many tokens each.
+
+Each step spends a token budget (max_num_batched_tokens): running decodes first (one token
+each), then running prefills continue, then waiting requests are admitted FCFS while
+budget, batch slots (max_num_seqs) and KV blocks last. A prompt longer than what is left of
+the budget is prefilled in chunks over several steps, so it never stalls running decodes
+for more than one step's worth of tokens. When a running sequence needs a block and none is
+free, the newest not-yet-scheduled running sequence is preempted: its blocks are freed and
+it goes back to the front of the waiting queue, to be recomputed later.
+
+A waiting prompt whose leading blocks another prompt is computing right now (admitted this
+step, or prefilling in chunks) and no cache holds yet waits, in its place in the queue, until
+they are in the prefix cache, rather than computing them a second time: a burst of requests
+on one new system prompt computes it once (those behind it are admitted meanwhile).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.core.block_manager import BlockManager
+from engine.core.sequence import Sequence, SequenceStatus
+
+# Leading blocks a waiting prompt must share with one being computed to wait for it: a step
+# of latency for it, against computing them twice.
+MIN_SHARED_BLOCKS_TO_WAIT = 2
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    num_prompt_tokens: int = 0  # of the tokens scheduled, those in their prompts
+
+    def add(self, seq: Sequence, num_new_tokens: int) -> None:
+        self.seqs.append(seq)
+        self.num_new_tokens.append(num_new_tokens)
+        if seq.num_computed_tokens < seq.num_prompt_tokens:
+            self.num_prompt_tokens += min(num_new_tokens, seq.num_prompt_tokens - seq.num_computed_tokens)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order: the last is the newest
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take seq out of the queues and give back its blocks (finish or abort)."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        # Decodes (one token left to compute) before prefills still in progress.
+        for seq in sorted(self.running, key=lambda s: s.num_tokens - s.num_computed_tokens > 1):
+            if budget == 0:
+                break
+            if seq.status is SequenceStatus.RUNNING and self._schedule_running(seq, batch, budget):
+                budget -= batch.num_new_tokens[-1]
+        in_flight = self._blocks_in_flight()
+        deferred: list[Sequence] = []
+        while budget > 0 and self.waiting and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if self._waits_for_blocks(seq, in_flight):
+                deferred.append(self.waiting.popleft())
+                continue
+            if not self._admit(seq, batch, budget):
+                break
+            budget -= batch.num_new_tokens[-1]
+            in_flight.update(self._uncommitted_prompt_blocks(seq))
+        self.waiting.extendleft(reversed(deferred))
+        return batch
+
+    def _blocks_in_flight(self) -> set[int]:
+        """Keys of prompt blocks that running sequences are computing and have not cached yet."""
+        in_flight: set[int] = set()
+        for seq in self.running:
+            if seq.num_computed_tokens < seq.num_prompt_tokens:
+                in_flight.update(self._uncommitted_prompt_blocks(seq))
+        return in_flight
+
+    def _uncommitted_prompt_blocks(self, seq: Sequence) -> list[int]:
+        if not self.block_manager.enable_prefix_caching:
+            return []
+        return self.block_manager.prompt_hashes(seq)[len(seq.block_hashes):]
+
+    def _waits_for_blocks(self, seq: Sequence, in_flight: set[int]) -> bool:
+        """Whether seq's prompt, past what the cache holds, begins with at least
+        MIN_SHARED_BLOCKS_TO_WAIT blocks that are being computed now."""
+        if not in_flight or seq.needs_prompt_logprobs:  # a prompt scored takes no cached blocks
+            return False
+        cached, shared = self.block_manager.hash_to_block_id, 0
+        for block_hash in self.block_manager.prompt_hashes(seq):
+            if block_hash in in_flight:
+                shared += 1
+            elif block_hash not in cached or shared:
+                break
+        return shared >= MIN_SHARED_BLOCKS_TO_WAIT
+
+    def _schedule_running(self, seq: Sequence, batch: ScheduledBatch, budget: int) -> bool:
+        num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+        needed = self.block_manager.num_new_blocks_needed(seq, seq.num_computed_tokens + num_new)
+        while not self.block_manager.can_allocate(needed):
+            victim = self._preemption_victim(batch)
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        self.block_manager.allocate(seq, seq.num_computed_tokens + num_new)
+        batch.add(seq, num_new)
+        return True
+
+    def _admit(self, seq: Sequence, batch: ScheduledBatch, budget: int) -> bool:
+        first_time = seq.timings.first_scheduled is None
+        seq.num_computed_tokens = self.block_manager.allocate_cached_prefix(seq)
+        num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+        needed = self.block_manager.num_new_blocks_needed(seq, seq.num_computed_tokens + num_new)
+        if not self.block_manager.can_allocate(needed):
+            self.block_manager.free(seq)  # hand back the prefix hits; retry next step
+            seq.num_computed_tokens = 0
+            return False
+        self.block_manager.allocate(seq, seq.num_computed_tokens + num_new)
+        self.block_manager.record_prefix_lookup(seq.num_tokens, seq.num_computed_tokens)
+        self.waiting.popleft()
+        self.running.append(seq)
+        seq.status = SequenceStatus.RUNNING
+        if first_time:
+            seq.timings.first_scheduled = time.monotonic()
+        batch.add(seq, num_new)
+        return True
+
+    def _preemption_victim(self, batch: ScheduledBatch) -> Sequence:
+        scheduled = set(map(id, batch.seqs))
+        return next(s for s in reversed(self.running) if id(s) not in scheduled)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1

@@ -1,0 +1,138 @@
+"""The engine behind an asyncio front: requests in, per-request chunk streams out.
+
+Pieces, in the order a request passes them:
+
+    admission.py       the overload bounds, checked before a request is admitted
+    messages.py        what crosses between the asyncio side and the step loop thread
+    step_loop.py       the thread that owns the LLMEngine and steps it while there is work
+    request_stream.py  each request's tokens on the asyncio side, handed out as chunks
+
+Each step's outputs arrive as one StepOutputs message per event loop, and a stream's
+consumer takes every token that arrived since its last wake-up as one chunk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from collections.abc import AsyncIterator
+
+from engine.frontend.admission import check_waiting_bounds, has_waiting_bounds, retry_after_s
+from engine.config import EngineConfig
+from engine.core.llm_engine import LLMEngine
+from engine.frontend.messages import (
+    AbortRequest, AddRequest, CheckIntegrity, EngineFailed, InjectFault, OutMessage, RequestRejected, StepOutputs,
+)
+from engine.request.outputs import EngineDeadError, EngineStats, GenerationChunk, ModelInfo
+from engine.request.request_rules import check_request_id_free
+from engine.frontend.request_stream import RequestStream, min_tokens_per_chunk
+from engine.request.sampling_params import SamplingParams
+from engine.core.step_log import StepRecord
+from engine.frontend.step_loop import StepLoop
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig, max_chunks_per_s: float | None = None):
+        self.config = config
+        self.max_chunks_per_s = max_chunks_per_s
+        self._streams: dict[str, RequestStream] = {}
+        self.step_loop = StepLoop(config, self._receive)
+
+    @property
+    def engine(self) -> LLMEngine:
+        """The step loop's engine: only its thread may call it while the loop runs."""
+        return self.step_loop.engine
+
+    @property
+    def model_info(self) -> ModelInfo:
+        return self.engine.model_info
+
+    @property
+    def is_dead(self) -> bool:
+        return self.step_loop.error is not None or not self.step_loop.is_alive()
+
+    def check_health(self) -> None:
+        if self.step_loop.error is not None:
+            raise self.step_loop.error
+        if not self.step_loop.is_alive():
+            raise EngineDeadError("engine step loop is not running")
+
+    def stats(self) -> EngineStats:
+        """The stats as of the last step (read without stopping the loop)."""
+        return self.step_loop.stats
+
+    def drain_steps(self) -> list[StepRecord]:
+        """The steps taken since the last call, oldest first (any thread may call it)."""
+        return self.engine.step_log.drain()
+
+    def num_active_requests(self) -> int:
+        return len(self._streams)
+
+    def waiting_work(self) -> tuple[int, int]:
+        """Requests admitted but not yet past their first token, and their prompt tokens:
+        what the overload bounds count. Call from the event loop that runs generate."""
+        waiting = [s for s in self._streams.values() if s.is_waiting]
+        return len(waiting), sum(s.num_prompt_tokens for s in waiting)
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       params: SamplingParams) -> AsyncIterator[GenerationChunk]:
+        """Stream a request's tokens.
+
+        Raises before any chunk: InvalidRequestError (a ValueError) for a request that can
+        never run (LLMEngine.add_request's rules, checked on the step loop thread),
+        EngineOverloadedError when the waiting bounds are full, EngineDeadError when the
+        step loop has crashed. Leaving the iterator early (break, cancellation, an error in
+        the consumer) aborts the request; its KV blocks are free by the end of the next step.
+        """
+        stream = self._admit(request_id, len(prompt_token_ids))
+        self.step_loop.send(AddRequest(request_id, list(prompt_token_ids), params, asyncio.get_running_loop()))
+        try:
+            async for chunk in stream.chunks():
+                yield chunk
+        finally:
+            del self._streams[request_id]
+            if not stream.is_finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self.step_loop.send(AbortRequest(request_id))
+
+    def inject_fault(self, error: BaseException) -> None:
+        """Crash the step loop at its next step with `error`, as a bug in the model would
+        (fault-injection tests)."""
+        self.step_loop.send(InjectFault(error))
+
+    async def check_integrity(self) -> None:
+        """Assert the KV pool's invariants, on the loop thread between two steps (tests)."""
+        self.check_health()  # a dead loop would never answer
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self.step_loop.send(CheckIntegrity(done))
+        await asyncio.wrap_future(done)
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        self.step_loop.stop(timeout)
+
+    def _admit(self, request_id: str, num_prompt_tokens: int) -> RequestStream:
+        self.check_health()
+        check_request_id_free(request_id, self._streams)
+        if has_waiting_bounds(self.config):
+            retry_after = retry_after_s(self.step_loop.stats.num_waiting, self.step_loop.step_rate.per_s)
+            check_waiting_bounds(self.config, *self.waiting_work(), num_prompt_tokens, retry_after)
+        stream = self._streams[request_id] = RequestStream(request_id, num_prompt_tokens)
+        return stream
+
+    def _receive(self, message: OutMessage) -> None:
+        """The step loop's messages, on this request's event loop."""
+        match message:
+            case StepOutputs(outputs, steps_per_s):
+                min_tokens = min_tokens_per_chunk(len(self._streams), steps_per_s, self.max_chunks_per_s)
+                for output in outputs:
+                    if (stream := self._streams.get(output.request_id)) is not None:
+                        stream.push(output, min_tokens)
+            case RequestRejected(request_id, error):
+                if (stream := self._streams.get(request_id)) is not None:
+                    stream.fail(error)
+            case EngineFailed(error):
+                for stream in list(self._streams.values()):
+                    stream.fail(error)
+

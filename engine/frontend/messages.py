@@ -1,0 +1,81 @@
+"""Messages into and out of the step loop thread (engine/frontend/step_loop.py).
+
+In, from any thread through the inbox: AddRequest, AbortRequest, InjectFault, CheckIntegrity,
+GraphCompiled.
+Out, called on the event loop of the request(s) they concern: StepOutputs,
+RequestRejected, EngineFailed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from dataclasses import dataclass
+
+from engine.request.outputs import EngineDeadError, StepOutput
+from engine.request.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class AddRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    loop: asyncio.AbstractEventLoop  # where the request's outputs are delivered
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class InjectFault:
+    """For fault-injection tests: the loop raises `error` at its next step, as a bug in the
+    model would."""
+
+    error: BaseException
+
+
+@dataclass(frozen=True)
+class CheckIntegrity:
+    """Run LLMEngine.check_integrity on the loop thread, between steps; `done` gets None or
+    the AssertionError."""
+
+    done: concurrent.futures.Future
+
+
+@dataclass(frozen=True)
+class GraphCompiled:
+    """The decode graph's background compile has ended: steps take the graph from now on,
+    even when none runs until the next request (the log then says when it happened)."""
+
+
+InMessage = AddRequest | AbortRequest | InjectFault | CheckIntegrity | GraphCompiled
+
+
+@dataclass(frozen=True)
+class StepOutputs:
+    """One step's outputs for the requests of one event loop."""
+
+    outputs: list[StepOutput]
+    steps_per_s: float  # the loop's smoothed step rate when it published them
+
+
+@dataclass(frozen=True)
+class RequestRejected:
+    """The engine refused an AddRequest (LLMEngine.add_request raised): a ValueError for a
+    request that can never run, anything else for a failure its values caused unexpectedly."""
+
+    request_id: str
+    error: Exception
+
+
+@dataclass(frozen=True)
+class EngineFailed:
+    """The step loop crashed: every request of the event loop fails with `error`."""
+
+    error: EngineDeadError
+
+
+OutMessage = StepOutputs | RequestRejected | EngineFailed

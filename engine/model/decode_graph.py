@@ -1,0 +1,152 @@
+"""Decode steps, and steps short enough with prefill chunks among them (`graph_prefill_tokens`),
+through one inductor graph of the whole forward (`compile_decode: true`), as vLLM's CPU
+worker runs its model: LayerNorm, GELU and residual adds fused around the linears, and the paged pools read in place by the attention
+(`decode_attention` in the config: our C++ kernel, engine/kernels/native_attention.py, or the
+expression inductor compiles, engine/model/attention.py decode_attention_with_own). The linears
+are the model's own: its oneDNN-prepacked ones (`linears: auto`), which eager prefill steps
+share, or nn.Linear (`linears: reference`), which inductor packs itself.
+
+The graph is pure: it takes the runner's one KV pool, returns every layer's new k, v already
+in the pool's head-major order, and one copy writes them all after it (a write per layer and
+pool costs more in dispatch than in bytes): our C++ one where our attention kernel runs,
+index_copy_, which copies on one thread, otherwise. So the compiled code never copies or
+mutates the pool, and a warm-up call leaves no trace. Its logits stay in the model's dtype:
+converting a bf16 batch's to float32 in the graph cost more than our C++ sampler's reading
+bf16 as it is (BENCHMARKS.md, "Designs shipped": around the decode graph); what else reads them
+converts the rows it reads.
+Where the sampler is torch's, the graph also returns each row's greedy token
+(`argmax_in_graph`), as ATen's argmax over the vocabulary is a slow, unvectorised pass.
+
+A row is one token: a decode's, or one of a prefill chunk's, which shares its sequence's
+block table and attends to the chunk's rows before it (`first_rows`); the graph returns the
+logits of the rows that sample (`logits_indices`) only.
+
+One graph for every step: rows, sampled rows and block-table width are dynamic, and padded
+to at least 2, because dynamo specialises a size of 1 into a graph of its own (each
+compiled at its first use, and a batch-of-one graph whose frozen fp32 linears inductor
+would put on MKL rather than oneDNN). The pools' shapes never change, so they are static.
+The same graph serves every torch thread count (engine/kernels/inductor.py). warm_up compiles it,
+before the engine serves or while it serves eager steps (engine/model/graph_compile.py).
+
+The weights are the graph's inputs, not constants frozen into it, wherever the linears are
+our prepacked ones: then inductor's disk caches hold the compiled graph, and a later
+process loads it in seconds rather than compiling it again. `linears: reference` freezes
+them, as inductor prepacks an nn.Linear's weight only as a constant; it compiles in every
+process.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+
+import torch
+from torch import nn
+
+from engine.model.attention import decode_attention_with_own
+from engine.kernels.inductor import compile_for
+from engine.model.gpt2 import GPT2LMHead
+from engine.kernels.native_attention import DecodeAttention
+
+logger = logging.getLogger(__name__)
+
+
+def layer_caches(kv_pool: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The per-layer (k, v) views of a pool [n_layer, 2, H, num_blocks, block_size, D]."""
+    return [(layer[0], layer[1]) for layer in kv_pool.unbind(0)]
+
+
+def write_new_kv(kv_pool: torch.Tensor, new_kv: torch.Tensor, slot_mapping: torch.Tensor, native: bool = False) -> None:
+    """new_kv [n_layer * 2 * H, B, D] (decode_step's order) into each row's slot, every layer
+    at once; `native`: our C++ copy (engine/kernels/csrc/kv_write.cpp), on torch's threads."""
+    num_layers, _, num_heads, num_blocks, block_size, head_dim = kv_pool.shape
+    rows = kv_pool.view(num_layers * 2 * num_heads, num_blocks * block_size, head_dim)
+    if native:
+        torch.ops.rayinfer.write_kv(rows, new_kv, slot_mapping)
+    else:
+        rows.index_copy_(1, slot_mapping, new_kv)
+
+
+def decode_step(model: GPT2LMHead, attention: DecodeAttention, argmax: bool, input_ids: torch.Tensor,
+                positions: torch.Tensor, kv_pool: torch.Tensor, block_tables: torch.Tensor, first_rows: torch.Tensor,
+                logits_indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """What the graph computes: logits [S, vocab] of the rows logits_indices picks, in the
+    model's dtype, their greedy tokens [S] (None unless `argmax`) and the new k, v of every
+    layer as [n_layer * 2 * H, T, D], the pool's row order."""
+    logits, keys, values = model.decode(input_ids, positions, layer_caches(kv_pool), block_tables, attention,
+                                        first_rows, logits_indices)
+    new_kv = torch.stack([keys, values], dim=1).permute(0, 1, 3, 2, 4)  # [n_layer, 2, H, T, D]
+    return logits, logits.argmax(dim=-1) if argmax else None, new_kv.flatten(0, 2)
+
+
+class DecodeGraph:
+    def __init__(self, model: GPT2LMHead, device: torch.device, attention: DecodeAttention,
+                 argmax_in_graph: bool = True):
+        self.attention = attention
+        self.native_write = attention is not decode_attention_with_own  # our kernels are built: write with ours too
+        step = functools.partial(decode_step, model, attention, argmax_in_graph)
+        # On CPU the kernels are called from C++, not Python
+        # (BENCHMARKS.md, "Designs shipped": around the decode graph).
+        freezing = any(isinstance(module, nn.Linear) for module in model.modules())  # inductor packs only constants
+        self._compiled = compile_for(device, step, dynamic=True, freezing=freezing, cpp_wrapper=device.type == "cpu")
+        self.num_steps = 0  # steps run through the graph
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_pool: torch.Tensor,
+                 block_tables: torch.Tensor, slot_mapping: torch.Tensor, first_rows: torch.Tensor,
+                 logits_indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits [S, vocab] in the model's dtype and greedy tokens [S] (None unless
+        argmax_in_graph) of the rows logits_indices picks; rows one token each, each chunk's
+        from first_rows (a decode's is its own row). The pool holds this step's k, v after."""
+        logits, greedy, new_kv = self._run(input_ids, positions, kv_pool, block_tables, first_rows, logits_indices)
+        self.num_steps += 1
+        with torch.inference_mode():
+            write_new_kv(kv_pool, new_kv, slot_mapping, self.native_write)
+        return logits, greedy
+
+    def warm_up(self, kv_pool: torch.Tensor, batch: int) -> None:
+        """Compile the graph now, on scratch inputs that touch no pool, block or sequence.
+
+        `batch` rows (at least 3), one fewer sampled, against a block-table width that is
+        neither: dynamo gives equal sizes one symbol, which would tie them together in the
+        graph. The rows are what inductor's heuristics (and its packing of `linears:
+        reference` weights) take as typical.
+        """
+        torch._dynamo.mark_static(kv_pool)
+        rows = max(batch, 3)
+        sampled = rows - 1
+        width = next(w for w in (4, 5, 6) if w not in (rows, sampled))
+
+        def zeros(*shape: int) -> torch.Tensor:  # distinct tensors: dynamo guards on aliasing
+            return torch.zeros(shape, dtype=torch.int64, device=kv_pool.device)
+
+        start, threads = time.monotonic(), torch.get_num_threads()  # what inductor's heuristics read
+        self._run(zeros(rows), zeros(rows), kv_pool, zeros(rows, width), torch.arange(rows, device=kv_pool.device),
+                  torch.arange(sampled, device=kv_pool.device))
+        logger.info("decode graph compiled in %.1f s (torch threads: %d)", time.monotonic() - start, threads)
+
+    def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_pool: torch.Tensor, block_tables: torch.Tensor,
+             first_rows: torch.Tensor, logits_indices: torch.Tensor,
+             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """The graph on inputs padded to at least 2 rows, 2 sampled rows and 2 blocks,
+        unpadded after.
+
+        A padding row repeats row 0 as a chunk of its own (row 0's cached tokens are in the
+        pool whether it decodes or starts a chunk); a padding sample repeats the first
+        (row 0 where none samples); a padding block is block 0, masked out (a sequence with
+        one block has fewer cached tokens than a block holds, the mask's bound). Inputs are
+        made outside inference mode, as the runner's are: dynamo guards on that too.
+        """
+        batch, width = block_tables.shape
+        num_sampled = len(logits_indices)
+        if width < 2:
+            block_tables = torch.cat([block_tables, torch.zeros_like(block_tables)], dim=1)
+        if batch < 2:
+            input_ids, positions, block_tables = input_ids.repeat(2), positions.repeat(2), block_tables.repeat(2, 1)
+            first_rows = torch.arange(2, device=first_rows.device)
+        if num_sampled < 2:
+            logits_indices = (logits_indices if num_sampled else torch.zeros_like(first_rows[:1])).repeat(2)[:2]
+        with torch.inference_mode():
+            logits, greedy, new_kv = self._compiled(input_ids, positions, kv_pool, block_tables, first_rows,
+                                                    logits_indices)
+        return logits[:num_sampled], None if greedy is None else greedy[:num_sampled], new_kv[:, :batch]

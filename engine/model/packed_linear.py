@@ -1,0 +1,135 @@
+"""Linear layers with their weights prepacked for oneDNN, on CPU.
+
+bf16: `F.linear` reorders the weight into oneDNN's blocked layout on every call; packing
+once at load gives bit-identical products, cheaper. This is the op PyTorch's own inductor
+emits for frozen CPU linears. oneDNN runs bf16 only on AVX-512 BW/VL/DQ or newer.
+
+fp32: `F.linear` runs MKL's sgemm, which is not faster than oneDNN's prepacked fp32 kernels
+at the row counts a step runs (BENCHMARKS.md, "Designs shipped": linears), on AVX2 as on
+AVX-512. The two round differently, so fp32 packing is not bit-identical: `linears:
+reference` keeps F.linear, the path that is token-exact with Hugging Face.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import engine.kernels.native as native
+from engine.kernels.cpu import cpu_features
+
+
+def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
+    """oneDNN packs bf16 only on AVX-512 BW/VL/DQ or newer and raises elsewhere: ask the probe."""
+    return device.type == "cpu" and cpu_features().can_pack(dtype)
+
+
+class PackedLinear(nn.Module):
+    """y = x @ weight.T + bias for 2-D x, with the weight in oneDNN's layout.
+
+    The packed weight is an opaque tensor, kept out of the state dict: pack after loading.
+    With `few_rows`, a second copy of the weight stays beside it for torch.ops.rayinfer.linear
+    (engine/kernels/csrc/small_linear.cpp), which runs small steps where oneDNN is slow: in bf16 on
+    AVX-512 BF16, the weight in panels (`panels`) and steps of 1 to 64 rows on
+    engine/kernels/csrc/blocked_linear.cpp; in fp32 on AVX2, the same on
+    engine/kernels/csrc/blocked_linear_f32.cpp; elsewhere, the plain weight and steps of
+    one to three rows (BENCHMARKS.md, "Designs shipped": linears).
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, few_rows: bool = False):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        # Buffers (not in the state dict), so that torch.compile sees them as the module's
+        # fixed-shape constants rather than dynamic-shape inputs.
+        self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None),
+                             persistent=False)
+        self.register_buffer("bias", None if bias is None else bias.detach(), persistent=False)
+        own = (panels(weight) if in_panels(weight) else weight.detach().contiguous()) if few_rows else None
+        self.register_buffer("weight", own, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.few_rows:
+            return self.with_epilogue(x, "none")
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+
+    def with_epilogue(self, x: torch.Tensor, epilogue: str, other: torch.Tensor | None = None) -> torch.Tensor:
+        """Our op (few_rows only): epilogue(x @ weight.T + bias), "none", "gelu" or "add" of other."""
+        return torch.ops.rayinfer.linear(x, self.packed_weight, self.weight, self.bias, epilogue, other)
+
+    @property
+    def few_rows(self) -> bool:
+        return self.weight is not None
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+PANEL = 32  # bf16 output features a panel: engine/kernels/csrc/blocked_linear.cpp's kPanel
+F32_PANEL = 16  # fp32 output features a panel on the AVX2 build: two 8-lane vectors (blocked_linear_f32.cpp)
+
+
+def in_panels(weight: torch.Tensor) -> bool:
+    """Whether our kernel takes this weight in panels: bf16 with an even number of inputs (a
+    dot product takes them in pairs), on a CPU with AVX-512 BF16 and kernels built for it;
+    fp32 where the kernels are built for AVX2 (on AVX-512, oneDNN's fp32 is as fast from three
+    rows on, as the same kernel built for AVX-512 showed: BENCHMARKS.md, "Designs shipped": linears)."""
+    if weight.dtype == torch.float32:
+        return native.isa_build() == "avx2"
+    return (weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0 and cpu_features().avx512_bf16
+            and native.isa_build() == "avx512")
+
+
+def panels(weight: torch.Tensor) -> torch.Tensor:
+    """bf16 [N, K] -> [ceil(N / 32), K / 2, 32, 2]: 32 output features a panel, zero past N, k-pair
+    by k-pair, so that one 64-byte load holds 16 features' weights for two inputs. fp32 [N, K]
+    -> [ceil(N / 16), K, 16]: input by input, two 32-byte loads a panel's weights for one."""
+    out_features, in_features = weight.shape
+    if weight.dtype == torch.float32:
+        padded = F.pad(weight.detach(), (0, 0, 0, -out_features % F32_PANEL))
+        return padded.view(-1, F32_PANEL, in_features).transpose(1, 2).contiguous()
+    padded = F.pad(weight.detach(), (0, 0, 0, -out_features % PANEL))
+    return padded.view(-1, PANEL, in_features // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+@functools.cache
+def load_few_rows() -> None:
+    """Our op for small steps, with the fake implementation that lets the decode graph
+    trace through it; raises where the kernels cannot be built."""
+    native.load()
+    torch.library.register_fake("rayinfer::linear")(_linear_output)
+
+
+def _linear_output(x: torch.Tensor, packed_weight: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                   epilogue: str = "none", other: torch.Tensor | None = None) -> torch.Tensor:
+    out_features = weight.shape[0] if weight.dim() == 2 else packed_weight.shape[0]  # panels pad to 32
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
+# A linear and what follows it in a GPT-2 block, as one op where the layer is ours for few
+# rows: inductor fuses the same into oneDNN's linears in the decode graph, but cannot see
+# through our op. Elsewhere the plain expressions, unchanged (the reference path's included).
+def linear_gelu(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """gelu(layer(x)), tanh-approximated as GPT-2's."""
+    if isinstance(layer, PackedLinear) and layer.few_rows:
+        return layer.with_epilogue(x, "gelu")
+    return F.gelu(layer(x), approximate="tanh")
+
+
+def linear_add(layer: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """residual + layer(x)."""
+    if isinstance(layer, PackedLinear) and layer.few_rows:
+        return layer.with_epilogue(x, "add", residual)
+    return residual + layer(x)
+
+
+def pack_linears(module: nn.Module, few_rows: bool = False) -> None:
+    """Replace every nn.Linear under `module` by a PackedLinear, in place; frees the originals
+    (keeps their weights with `few_rows`)."""
+    for name, child in module.named_children():
+        if isinstance(child, nn.Linear):
+            setattr(module, name, PackedLinear(child.weight, child.bias, few_rows))
+        else:
+            pack_linears(child, few_rows)
