@@ -9,7 +9,8 @@ import time
 import psutil
 import pytest
 
-from engine import LLM, AsyncEngine, EngineConfig, EngineDeadError, EngineOverloadedError, SamplingParams
+from deployments.replicas.hooks import fail_next_step
+from engine import LLM, AsyncEngine, EngineConfig, EngineDeadError, EngineOverloadedError, LLMEngine, SamplingParams
 from engine.core import heap
 from engine.frontend import step_loop
 from engine.request.invalid_request import InvalidRequestError
@@ -100,7 +101,7 @@ def test_breaking_out_of_a_stream_aborts_the_request_and_frees_its_blocks(engine
 
     asyncio.run(main())
     assert engine.num_active_requests() == 0
-    asyncio.run(engine.check_integrity())  # on the loop thread, between steps
+    asyncio.run(engine.call_on_loop(LLMEngine.check_integrity))  # on the loop thread, between steps
 
 
 def test_an_event_loop_closed_under_an_open_stream_frees_its_request_and_the_engine_serves_on(engine):
@@ -187,8 +188,8 @@ def test_a_crash_in_the_step_loop_fails_in_flight_requests_and_marks_the_engine_
     async def main():
         stream = engine.generate("doomed", [1, 2, 3], SamplingParams(max_tokens=500, temperature=0, ignore_eos=True))
         await stream.__anext__()
-        engine.inject_fault(RuntimeError("injected fault"))
-        with pytest.raises(EngineDeadError, match="injected fault"):
+        await engine.call_on_loop(fail_next_step)
+        with pytest.raises(EngineDeadError, match="fault injected by a test"):
             async for _ in stream:
                 pass
         with pytest.raises(EngineDeadError):

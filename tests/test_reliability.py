@@ -70,10 +70,8 @@ def ingress() -> str:
 
 @pytest.fixture(scope="module")
 def base_url(tiny_gpt2_dir: Path, ingress: str) -> Iterator[str]:
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("RAYINFER_ENABLE_FAULT_INJECTION", "1")  # inherited by every Ray worker
-        with running_app(make_app(app_args(tiny_gpt2_dir, ingress), deployment_options(ingress)), APP) as url:
-            yield url
+    with running_app(make_app(app_args(tiny_gpt2_dir, ingress), deployment_options(ingress)), APP) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -435,7 +433,7 @@ def test_an_engine_crash_ends_live_streams_with_an_error_event_and_serve_replace
 
     async def scenario(http: httpx.AsyncClient):
         streams = await fill_the_engine(http)
-        await engine_handle().inject_fault_for_tests.remote()
+        await engine_handle().test_hook.remote("fail_next_step")
         await asyncio.gather(*(s.task for s in streams))
         return streams
 
@@ -454,7 +452,7 @@ def test_a_dead_engine_makes_health_and_requests_a_503_with_retry_after(tiny_gpt
     options = deployment_options(ingress, engine_health_check_period_s=600)
     serve.run(make_app(app_args(tiny_gpt2_dir, ingress, api_keys=[]), options), name="dead", route_prefix="/dead")
     try:
-        serve.get_deployment_handle("EngineDeployment", "dead").inject_fault_for_tests.remote().result()
+        serve.get_deployment_handle("EngineDeployment", "dead").test_hook.remote("fail_next_step").result()
         with httpx.Client(base_url=f"{base_url}/dead", timeout=60) as dead:
             crashed = dead.post("/v1/completions", json=greedy(PROMPTS[0], max_tokens=4))  # its step raises
             assert assert_openai_error(crashed, 503, "server_error")["code"] == "service_unavailable"
