@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from engine.request.outputs import EngineDeadError, StepOutput
 from engine.request.sampling_params import SamplingParams
+from engine.request.scheduling import Scheduling
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,7 @@ class AddRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     loop: asyncio.AbstractEventLoop  # where the request's outputs are delivered
+    scheduling: Scheduling = Scheduling()
 
 
 @dataclass(frozen=True)
