@@ -65,8 +65,7 @@ class LLMEngine:
             vocab_size=hf.vocab_size, eos_token_id=self.eos_token_id,
             dtype=str(config.torch_dtype).removeprefix("torch."), device=str(config.torch_device),
             max_waiting_requests=config.max_waiting_requests, max_waiting_tokens=config.max_waiting_tokens,
-            priority_range=config.allowed_priorities,
-        )
+            priority_range=config.allowed_priorities)
         num_blocks = self._num_kv_blocks(model)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.runner = self._runner(model, num_blocks, graphed)
@@ -74,9 +73,8 @@ class LLMEngine:
         if self._compile is None:
             self.runner.decode_graph, self.runner.sampler = self._ready(self.runner.decode_graph)
         # the budget follows the graph steps take: eager steps until it is compiled, or where it cannot compile
-        cpu_graph = isinstance(self.runner.decode_graph, DecodeGraph)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.step_tokens(cpu_graph),
-                                   config.scheduling_policy)
+        step_tokens = config.step_tokens(cpu_graph=isinstance(self.runner.decode_graph, DecodeGraph))
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, step_tokens, config.scheduling_policy)
         self._seqs: dict[str, Sequence] = {}
         self.step_log = StepLog()  # the replica's metrics drain it
         self._num_prompt_tokens = 0
