@@ -25,6 +25,7 @@ from deployments.routing.engine_load import EngineLoad, LoadLog
 from deployments.observability.logs import route_logs_to_serve
 from deployments.observability.metrics import EngineMetricsReporter
 from engine import AsyncEngine, EngineConfig, GenerationChunk, ModelInfo, SamplingParams
+from engine.request.scheduling import Scheduling
 
 
 FAULT_INJECTION_ENV = "RAYINFER_ENABLE_FAULT_INJECTION"  # "1" only in tests
@@ -49,8 +50,8 @@ class EngineReplica:
         self._load_log = LoadLog(serve.get_replica_context().replica_id.unique_id, config.block_size,
                                  self._engine.stats().num_kv_blocks_total)
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[GenerationChunk]:
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       scheduling: Scheduling = Scheduling()) -> AsyncIterator[GenerationChunk]:
         """Every token ready since the last chunk; the last chunk has a finish_reason.
 
         Raises ValueError before the first chunk for a request that can never run.
@@ -58,7 +59,8 @@ class EngineReplica:
         self._num_requests += 1
         self._load_log.arrived(request_id, prompt_token_ids, params.max_tokens)
         try:
-            async with contextlib.aclosing(self._engine.generate(request_id, prompt_token_ids, params)) as chunks:
+            chunks = self._engine.generate(request_id, prompt_token_ids, params, scheduling)
+            async with contextlib.aclosing(chunks):
                 async for chunk in chunks:
                     yield chunk
         finally:
