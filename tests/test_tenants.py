@@ -16,7 +16,7 @@ import pytest
 
 from deployments.app import make_app
 from tests.http_helpers import (
-    PROMPTS, Stream, assert_openai_error, check_engine_integrity, greedy, until, wait_until_idle,
+    PROMPTS, Stream, assert_idle_and_intact, assert_openai_error, greedy, until,
 )
 from tests.serve_helpers import running_app, tiny_app_args
 
@@ -46,11 +46,7 @@ def http_headers() -> dict[str, str]:
 @pytest.fixture(autouse=True)
 def the_engine_is_idle_and_intact_after_each_test(http: httpx.Client) -> Iterator[None]:
     yield
-    health = wait_until_idle(http)
-    stats = health["stats"]
-    assert (health["num_active_requests"], stats["num_running"], stats["num_waiting"]) == (0, 0, 0), health
-    assert stats["num_kv_blocks_used"] == 0, "KV blocks leaked"
-    check_engine_integrity(APP)
+    assert_idle_and_intact(http, APP)
 
 
 def auth(key: str) -> dict[str, str]:
