@@ -72,7 +72,11 @@ class AppArgs(BaseModel):
     local_encode_max_chars: int = Field(DEFAULT_LOCAL_MAX_CHARS, ge=0)
     # Bearer keys the API requires (none: open). Prefer the RAYINFER_API_KEYS environment
     # variable: these args are part of the Serve config the dashboard shows.
+    # An entry may name its tenant and weight: "KEY name=team-a weight=2" (deployments/api/security.py).
     api_keys: list[str] = Field(default_factory=list)
+    # Without API keys, a request's `user` field names its tenant (fair shares per user; the
+    # metrics label it by a short hash). With keys, the key does.
+    tenant_by_user: bool = False
     max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, ge=1)  # larger bodies get 413
     # Where the HTTP routes run. deployment: an Ingress deployment of their own, calling the
     # engine replicas by handle (routes that scale apart; prompts routed by prefix). engine:
@@ -100,7 +104,7 @@ def make_app(args: dict, deployment_options: dict[str, dict] | None = None) -> s
         app_args.model, app_args.tokenizer_max_batch_size, app_args.tokenizer_batch_wait_s)
     engine_args = (config, app_args.max_chunks_per_s, app_args.engine_cpu_bind)
     http_args = (app_args.served_model_name or app_args.model, app_args.api_keys, app_args.max_body_bytes,
-                 app_args.local_encode_max_chars)
+                 app_args.local_encode_max_chars, app_args.tenant_by_user)
     engine_options = engine_deployment_options(app_args, num_gpus) | options.get("EngineDeployment", {})
     if app_args.ingress == "engine":
         return EngineServer.options(**engine_options).bind(tokenizer_app, *engine_args, *http_args)

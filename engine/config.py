@@ -15,6 +15,7 @@ import torch
 
 from engine.kernels.cpu import cpu_features, usable_cpus
 from engine.model.loader import WeightsMode, check_weights_mode
+from engine.request.scheduling import SchedulingPolicy
 
 LinearsMode = Literal["auto", "reference"]
 # A hot op's implementation: our C++ kernel (native), torch's (torch), or native where it runs (auto).
@@ -104,6 +105,15 @@ class EngineConfig:
     # None: no bound. The defaults hold 32 prompts of 512 tokens; past them a caller gets 429.
     max_waiting_requests: int | None = 128
     max_waiting_tokens: int | None = 16384
+    # Who goes next from the waiting line (engine/core/queue_policy.py). fcfs: arrival order.
+    # priority: a request's `priority` (vLLM's: lower first; arrival order among equals), and
+    # a waiting request preempts lower-priority running ones when the batch is full. fair:
+    # fair shares of service between tenants (the virtual token counter), priority within
+    # each tenant; the waiting bounds above hold per tenant too, as its weight's share
+    # (engine/frontend/admission.py). With one tenant, fair is the priority policy.
+    scheduling_policy: SchedulingPolicy = "fair"
+    # The priorities a request may ask for, both ends included; under fcfs only 0.
+    priority_range: tuple[int, int] = (-100, 100)
     num_threads: int | None = None  # torch CPU threads; None = every core this process may use
     # Steps of at most this many tokens (one stream's decodes) run on one torch thread, the
     # rest on num_threads: in a server the other processes on the engine's cores stall a
@@ -138,6 +148,10 @@ class EngineConfig:
         if not (self.one_thread_max_tokens == "auto" or (isinstance(self.one_thread_max_tokens, int)
                                                          and self.one_thread_max_tokens >= 0)):
             raise ValueError(f"one_thread_max_tokens must be an integer >= 0 or auto, got {self.one_thread_max_tokens!r}")
+        if self.scheduling_policy not in get_args(SchedulingPolicy):
+            raise ValueError(f"scheduling_policy must be fcfs, priority or fair, got {self.scheduling_policy!r}")
+        _check_priority_range(self.priority_range)
+        object.__setattr__(self, "priority_range", tuple(self.priority_range))  # a config file's list
         for name in ("max_waiting_requests", "max_waiting_tokens"):
             if getattr(self, name) is not None:
                 _require_positive(name, getattr(self, name))
@@ -146,6 +160,11 @@ class EngineConfig:
         if self.max_num_batched_tokens != "auto" and self.max_num_batched_tokens < self.max_num_seqs:
             # Every running sequence must be able to decode in every step.
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs")
+
+    @property
+    def allowed_priorities(self) -> tuple[int, int]:
+        """priority_range resolved: (0, 0) under fcfs, where a priority would order nothing."""
+        return (0, 0) if self.scheduling_policy == "fcfs" else self.priority_range
 
     @cached_property
     def torch_device(self) -> torch.device:
@@ -203,6 +222,12 @@ class EngineConfig:
         if self.num_threads is not None:
             return self.num_threads
         return usable_cpus()
+
+
+def _check_priority_range(bounds: object) -> None:
+    if not (isinstance(bounds, (tuple, list)) and len(bounds) == 2
+            and all(isinstance(b, int) and not isinstance(b, bool) for b in bounds) and bounds[0] <= 0 <= bounds[1]):
+        raise ValueError(f"priority_range must be two integers [low, high] with low <= 0 <= high, got {bounds!r}")
 
 
 def _require_positive(name: str, value: int) -> None:

@@ -71,6 +71,16 @@ def check_engine_integrity(app: str) -> None:
     serve.get_deployment_handle("EngineDeployment", app).test_hook.remote("check_integrity").result(timeout_s=30)
 
 
+def assert_idle_and_intact(client: httpx.Client, app: str) -> None:
+    """The engine idle (nothing running, waiting or streaming), every KV block back in the
+    pool, and its own integrity check passing: what a test leaves behind."""
+    health = wait_until_idle(client)
+    stats = health["stats"]
+    assert (health["num_active_requests"], stats["num_running"], stats["num_waiting"]) == (0, 0, 0), health
+    assert stats["num_kv_blocks_used"] == 0, "KV blocks leaked"
+    check_engine_integrity(app)
+
+
 def assert_openai_error(response: httpx.Response, status: int, type: str, param: str | None = None) -> dict:
     assert response.status_code == status, response.text
     error = response.json()["error"]

@@ -311,6 +311,7 @@ def test_the_defaults_are_the_shipped_fast_path():
     assert default.decode_compiled and default.compile_decode == "auto"
     assert default.one_thread_max_tokens == "auto" and default.cuda_graphs == "auto"
     assert (default.max_waiting_requests, default.max_waiting_tokens) == (128, 16384)
+    assert default.scheduling_policy == "fair" and default.allowed_priorities == (-100, 100)  # issue 55
     shipped = yaml.safe_load((Path(__file__).resolve().parents[1] / "configs" / "gpt2.yaml").read_text())
     assert shipped["applications"][0]["args"]["engine"] == {}
     with pytest.raises(ValueError, match="compile_decode must be true, false or auto"):

@@ -470,3 +470,19 @@ def test_a_timed_run_keeps_the_harness_heap_out_of_the_collectors_passes_and_giv
         gc.collect()
         assert gc.get_freeze_count() >= len(held)  # a pass during the run leaves them frozen
     assert gc.get_freeze_count() == 0
+
+
+def test_jains_index_is_one_for_equal_rates_and_one_over_n_when_one_tenant_gets_all():
+    from loadtest.scale.tenants_bench import jain_index
+
+    assert jain_index([100.0, 100.0]) == pytest.approx(1.0)
+    assert jain_index([100.0, 0.0]) == pytest.approx(0.5)
+    assert jain_index([300.0, 100.0]) == pytest.approx(0.8)
+
+
+def test_a_target_with_a_priority_sends_it():
+    from loadtest.client.http_target import Target, request_body
+    from loadtest.client.workload import Workload
+
+    assert request_body(Target("http://x", "x", priority=-10), "hi", Workload())["priority"] == -10
+    assert "priority" not in request_body(Target("http://x", "x"), "hi", Workload())

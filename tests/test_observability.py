@@ -85,6 +85,8 @@ def test_metrics_reach_rays_prometheus_export_with_sensible_values(server):
         ("ray_rayinfer_requests_total", ("endpoint", "/v1/completions"), ("status", "400")): at_least(1),
         ("ray_rayinfer_completion_tokens_total",): at_least(18),
         ("ray_rayinfer_prompt_tokens_total",): at_least(6),
+        ("ray_rayinfer_prompt_tokens_total", ("tenant", "default")): at_least(6),  # one tenant: no keys
+        ("ray_rayinfer_queue_wait_seconds_count", ("tenant", "default")): at_least(3),
         ("ray_rayinfer_ttft_seconds_count",): at_least(3),
         ("ray_rayinfer_ttft_seconds_sum",): lambda v: 0 < v < 60,
         ("ray_rayinfer_tpot_seconds_count",): at_least(3),

@@ -419,6 +419,8 @@ def test_chat_stream_usage_in_guidellms_shape(oai: openai.OpenAI) -> None:
     ("/v1/chat/completions", {"user": "user-1234", "store": False, "metadata": None}),
     ("/v1/chat/completions", {"response_format": {"type": "text"}, "tools": None, "tool_choice": "none"}),
     ("/v1/chat/completions", {"tools": [], "parallel_tool_calls": True, "logprobs": False}),
+    ("/v1/completions", {"priority": -100}),  # when it runs, not what it says
+    ("/v1/chat/completions", {"priority": 100}),
 ])
 def test_fields_without_effect_on_the_output_are_accepted(http: httpx.Client, path: str, fields: dict) -> None:
     body = {"model": "tiny", "max_tokens": 4, "temperature": 0, **NO_EOS}
@@ -443,7 +445,9 @@ COMPLETION_REFUSALS = [
     ("prompt_logprobs", 1),
     ("return_tokens_as_token_ids", True),
     ("skip_special_tokens", False),
-    ("priority", 1),
+    ("priority", 101),  # outside the engine's priority_range
+    ("priority", -101),
+    ("priority", 1.5),
     ("logprobs", 21),
     ("logprobs", -1),
 ]

@@ -24,8 +24,8 @@ from deployments.app import make_app
 from deployments.api.prompt_encoding import DEFAULT_LOCAL_MAX_CHARS
 from engine import LLM, SamplingParams
 from tests.http_helpers import (
-    MODEL, PROMPTS, Stream, assert_openai_error, check_engine_integrity, greedy, health_of, run_async, until,
-    wait_for, wait_until_idle,
+    MODEL, PROMPTS, Stream, assert_idle_and_intact, assert_openai_error, greedy, health_of, run_async, until, wait_for,
+    wait_until_idle,
 )
 from tests.serve_helpers import replica_process, running_app, tiny_app_args
 
@@ -89,11 +89,7 @@ def the_serving_engine_is_idle_and_intact_after_each_test(http: httpx.Client) ->
     """After the crash and kill tests the serving engine is the replacement: those tests
     check what happened to the old one themselves."""
     yield
-    health = wait_until_idle(http)
-    stats = health["stats"]
-    assert (health["num_active_requests"], stats["num_running"], stats["num_waiting"]) == (0, 0, 0), health
-    assert stats["num_kv_blocks_used"] == 0, "KV blocks leaked"
-    check_engine_integrity(APP)
+    assert_idle_and_intact(http, APP)
 
 
 # ---- helpers ----

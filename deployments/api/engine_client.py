@@ -19,6 +19,7 @@ from ray.serve.handle import DeploymentHandle
 from deployments.api.engine_replicas import EngineReplicas
 from deployments.api.handles import over_grpc
 from engine import EngineStats, GenerationChunk, ModelInfo, SamplingParams
+from engine.request.scheduling import Scheduling
 
 if TYPE_CHECKING:
     from deployments.replicas.engine_deployment import EngineReplica
@@ -47,7 +48,8 @@ class EngineStream(Protocol):
 
 
 class EngineClient(Protocol):
-    def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> EngineStream: ...
+    def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 scheduling: Scheduling) -> EngineStream: ...
 
     async def status(self) -> EngineStatus: ...
 
@@ -66,8 +68,9 @@ class RemoteEngine:
         self._handle = over_grpc(handle)
         self._replicas = EngineReplicas(self._handle)
 
-    def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> EngineStream:
-        return self._handle.options(stream=True).generate.remote(request_id, prompt_token_ids, params)
+    def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 scheduling: Scheduling) -> EngineStream:
+        return self._handle.options(stream=True).generate.remote(request_id, prompt_token_ids, params, scheduling)
 
     async def status(self) -> EngineStatus:
         return await self.while_up(self._handle.status.remote())
@@ -86,8 +89,9 @@ class LocalEngine:
         self._replica = replica
         self._closing: set[asyncio.Task] = set()  # cancelled streams' closes, held until done
 
-    def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> EngineStream:
-        return _LocalStream(self._replica.generate(request_id, prompt_token_ids, params), self._closing)
+    def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 scheduling: Scheduling) -> EngineStream:
+        return _LocalStream(self._replica.generate(request_id, prompt_token_ids, params, scheduling), self._closing)
 
     async def status(self) -> EngineStatus:
         return self._replica.status()

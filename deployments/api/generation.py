@@ -16,6 +16,7 @@ from deployments.observability.metrics import request_metrics
 from deployments.api.openai_logprobs import Scored
 from engine import GenerationChunk, SamplingParams
 from engine.request.detokenizer import IncrementalDetokenizer, TokenVocab
+from engine.request.scheduling import Scheduling
 
 
 @dataclass(frozen=True)
@@ -92,12 +93,13 @@ class Choice:
     echo: bool = False  # the prompt's text (and, with logprobs, its logprobs) leads the choice's
     include_stop_str: bool = False
     format_logprobs: LogprobsFormat | None = None  # set where the request asked for logprobs
+    scheduling: Scheduling = Scheduling()  # its priority and tenant
 
 
 async def choice_deltas(engine: EngineClient, vocab: TokenVocab, choice: Choice, timing: ServerTiming,
                         received_at: float) -> AsyncIterator[ChoiceDelta]:
     """The choice's text as it is generated; the engine request starts at the first anext."""
-    response = engine.generate(choice.request_id, choice.prompt_token_ids, choice.params)
+    response = engine.generate(choice.request_id, choice.prompt_token_ids, choice.params, choice.scheduling)
     text = ChoiceText(vocab, choice)
     is_engine_done, num_tokens, first_timings = False, 0, None
     try:
@@ -117,7 +119,8 @@ async def choice_deltas(engine: EngineClient, vocab: TokenVocab, choice: Choice,
             request_metrics().record_completion(
                 ttft_s=timing.ttft_ms / 1000, e2e_s=time.perf_counter() - received_at,
                 queue_wait_s=first_timings.queue_wait_s if first_timings else None,
-                num_prompt_tokens=len(choice.prompt_token_ids), num_completion_tokens=num_tokens)
+                num_prompt_tokens=len(choice.prompt_token_ids), num_completion_tokens=num_tokens,
+                tenant=choice.scheduling.tenant)
 
 
 class ChoiceText:

@@ -71,7 +71,11 @@ class SamplingBody(_Body):
     logit_bias: dict[TokenIdKey, Annotated[float, within(limits.LOGIT_BIAS)]] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    user: str | None = None  # OpenAI: an end-user id for abuse monitoring; no effect on output
+    # OpenAI: an end-user id for abuse monitoring; no effect on output. It names the tenant
+    # where the operator opts in (tenant_by_user) and no API keys are set.
+    user: str | None = None
+    # vLLM's: lower runs earlier; within the engine's priority_range (only 0 under fcfs).
+    priority: int = 0
     add_special_tokens: bool | None = None  # GPT-2's tokenizer adds none either way
 
     @property

@@ -117,11 +117,12 @@ async def health(serving: ServingDep) -> JSONResponse:
 
 
 async def build_serving(tokenizer: DeploymentHandle, engine: EngineClient, model_name: str, api_keys: list[str] | None,
-                        max_body_bytes: int, local_encode_max_chars: int) -> Serving:
+                        max_body_bytes: int, local_encode_max_chars: int, tenant_by_user: bool = False) -> Serving:
     """A replica's Serving: the model's tokenizer, loaded here for local encodes and detokenizing."""
     tokenizer = over_grpc(tokenizer)
     info = await engine.model_info()
     hf_tokenizer = load_tokenizer(info.name)
     encoding = PromptEncoding(tokenizer, Encoder(hf_tokenizer), local_encode_max_chars, TokenizerMetrics("ingress"))
-    return Serving(tokenizer, encoding, engine, model_name, ApiKeys.from_config(api_keys), max_body_bytes, info,
+    keys = ApiKeys.from_config(api_keys, tenant_by_user)
+    return Serving(tokenizer, encoding, engine, model_name, keys, max_body_bytes, info,
                    TokenVocab.from_tokenizer(hf_tokenizer))

@@ -33,12 +33,14 @@ from deployments.api.prompt_encoding import PromptEncoding
 from deployments.observability import prometheus
 from deployments.api.protocol import ChatBody, DetokenizeBody, GenerateBody, OpenAIBody, TokenizeBody
 from deployments.api.responses import OpenAIFormat, collect, openai_body, text_stream
-from deployments.api.security import ApiKeys
+from deployments.api.security import ApiKeys, Tenant
+from deployments.observability.metrics import request_metrics
 from deployments.api.sse import sse_events
 from deployments.api.streams import merge, prepend
 from engine import ModelInfo
 from engine.request.detokenizer import TokenVocab
-from engine.request.request_rules import check_fits_waiting_bounds, check_token_ids
+from engine.request.request_rules import check_fits_waiting_bounds, check_priority, check_token_ids
+from engine.request.scheduling import Scheduling
 
 HEALTH_TIMEOUT_S = 5.0
 
@@ -59,12 +61,14 @@ class Serving:
     async def openai(self, request: Request, model: type[OpenAIBody], fmt: OpenAIFormat) -> Any:
         """The one body of /v1/completions and /v1/chat/completions."""
         received_at = time.perf_counter()
-        body = await self.read(request, model)
+        body, tenant = await self.read_as_tenant(request, model)
         body.check()
+        check_priority(body.priority, self.info.priority_range)
+        scheduling = Scheduling(body.priority, tenant.label, tenant.weight)
         prompts, timing = await self.encode_all(body.encode_requests(self.info.max_model_len))
         self.check_fits(prompts, body)
         request_id = fmt.id_prefix + uuid.uuid4().hex
-        choices = [self.choice(body, fmt, request_id, i * body.num_choices + j, encoded, j)
+        choices = [self.choice(body, fmt, request_id, i * body.num_choices + j, encoded, j, scheduling)
                    for i, encoded in enumerate(prompts) for j in range(body.num_choices)]
         gen = await self.start(request_id, choices, sum(len(e.token_ids) for e in prompts), timing, received_at)
         if body.stream:
@@ -81,21 +85,22 @@ class Serving:
                                   self.info.max_waiting_requests, self.info.max_waiting_tokens, param)
 
     def choice(self, body: OpenAIBody, fmt: OpenAIFormat, request_id: str, index: int, encoded: Encoded,
-               seed_offset: int) -> Choice:
+               seed_offset: int, scheduling: Scheduling) -> Choice:
         """Choice `index` (prompt-major: prompt i's n choices are i*n .. i*n + n - 1, as OpenAI)."""
         params = body.choice_params(encoded.max_tokens, seed_offset)
         logprobs = None if params.logprobs is None else fmt.logprobs(self.vocab, params.logprobs)
         return Choice(index, f"{request_id}-{index}", encoded.token_ids, params,
                       echo=bool(getattr(body, "echo", False)), include_stop_str=body.include_stop_str_in_output,
-                      format_logprobs=logprobs)
+                      format_logprobs=logprobs, scheduling=scheduling)
 
     async def generate(self, request: Request) -> Any:
         """/generate: plain text, streamed or whole."""
         received_at = time.perf_counter()
-        body = await self.read(request, GenerateBody)
+        body, tenant = await self.read_as_tenant(request, GenerateBody)
         [encoded], timing = await self.encode_all([body.encode_request(self.info.max_model_len)])
         request_id = "gen-" + uuid.uuid4().hex
-        choice = Choice(0, request_id, encoded.token_ids, body.sampling_params(encoded.max_tokens))
+        choice = Choice(0, request_id, encoded.token_ids, body.sampling_params(encoded.max_tokens),
+                        scheduling=Scheduling(tenant=tenant.label, weight=tenant.weight))
         gen = await self.start(request_id, [choice], len(encoded.token_ids), timing, received_at)
         headers = {"Server-Timing": timing.header()}
         if body.stream:
@@ -146,14 +151,17 @@ class Serving:
         return PlainTextResponse(text, media_type=prometheus.CONTENT_TYPE)
 
     async def read(self, request: Request, model: type[BodyT]) -> BodyT:
+        return (await self.read_as_tenant(request, model))[0]
+
+    async def read_as_tenant(self, request: Request, model: type[BodyT]) -> tuple[BodyT, Tenant]:
         """Auth first (an unauthorized body is never read), then the size-capped body, then
-        the served model's name where the body names one."""
-        self.api_keys.check(request.headers.get("authorization"))
+        the served model's name where the body names one; and whose request it is."""
+        key_tenant = self.api_keys.check(request.headers.get("authorization"))
         body = await read_json_body(request, model, self.max_body_bytes)
         name = getattr(body, "model", None)
         if name is not None and name != self.model_name:
             raise unknown_model(name)
-        return body
+        return body, self.api_keys.tenant(key_tenant, getattr(body, "user", None))
 
     async def encode_all(self, requests: list[EncodeRequest]) -> tuple[list[Encoded], ServerTiming]:
         started = time.perf_counter()
@@ -169,7 +177,10 @@ class Serving:
         try:
             first = await self.engine.while_up(anext(deltas))
         except Exception as exc:
-            raise as_api_error(exc, request_id) from exc
+            error = as_api_error(exc, request_id)
+            if error.code == "engine_overloaded":
+                request_metrics().record_rejected(choices[0].scheduling.tenant)
+            raise error from exc
         return Generation(request_id, self.model_name, [len(c.prompt_token_ids) for c in choices],
                           num_prompt_tokens, prepend(first, deltas), timing)
 

@@ -58,7 +58,6 @@ class CompletionRefusals(BaseModel):
     return_token_ids: refused("tokens are returned as text", False) = None
     skip_special_tokens: refused("special tokens are always skipped in text", True) = None
     spaces_between_special_tokens: refused("special tokens are always skipped in text", True) = None
-    priority: refused("requests are served first come, first served", 0) = None
     request_id: refused("rayinfer names its requests") = None
     cache_salt: refused("the prefix cache has no per-tenant salt") = None
     kv_transfer_params: refused("no disaggregated prefill") = None

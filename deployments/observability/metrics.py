@@ -30,7 +30,9 @@ _ENGINE_METRICS_PERIOD_S = 1.0
 
 
 class RequestMetrics:
-    """Per-request figures, recorded by the ingress as each request ends."""
+    """Per-request figures, recorded by the ingress as each request ends. Tokens served,
+    queue wait and the engine's 429s are labelled by tenant: its name, or a short hash of its
+    API key or `user` (deployments/api/security.py), never a key."""
 
     def __init__(self) -> None:
         self.requests = Counter("rayinfer_requests", "HTTP requests by endpoint and status code.",
@@ -40,27 +42,35 @@ class RequestMetrics:
         self.tpot = Histogram("rayinfer_tpot_seconds", "Time per output token after the first.",
                               boundaries=_TPOT_BUCKETS_S)
         self.e2e = Histogram("rayinfer_e2e_seconds", "End-to-end request latency.", boundaries=_LATENCY_BUCKETS_S)
+        tenant = ("tenant",)
         self.queue_wait = Histogram("rayinfer_queue_wait_seconds", "Time waiting for the engine's scheduler.",
-                                    boundaries=_LATENCY_BUCKETS_S)
-        self.prompt_tokens = Counter("rayinfer_prompt_tokens", "Prompt tokens processed.")
-        self.completion_tokens = Counter("rayinfer_completion_tokens", "Completion tokens generated.")
+                                    boundaries=_LATENCY_BUCKETS_S, tag_keys=tenant)
+        self.prompt_tokens = Counter("rayinfer_prompt_tokens", "Prompt tokens processed.", tag_keys=tenant)
+        self.completion_tokens = Counter("rayinfer_completion_tokens", "Completion tokens generated.",
+                                         tag_keys=tenant)
+        self.rejected = Counter("rayinfer_rejected_requests", "Requests the engine's waiting bounds refused (429).",
+                                tag_keys=tenant)
 
     def record_request(self, endpoint: str, status: int) -> None:
         self.requests.inc(1, tags={"endpoint": endpoint, "status": str(status)})
 
+    def record_rejected(self, tenant: str) -> None:
+        self.rejected.inc(1, tags={"tenant": tenant})
+
     def record_completion(self, *, ttft_s: float | None, e2e_s: float, queue_wait_s: float | None,
-                          num_prompt_tokens: int, num_completion_tokens: int) -> None:
+                          num_prompt_tokens: int, num_completion_tokens: int, tenant: str) -> None:
+        tags = {"tenant": tenant}
         self.e2e.observe(e2e_s)
         if ttft_s is not None:
             self.ttft.observe(ttft_s)
             if num_completion_tokens > 1:
                 self.tpot.observe((e2e_s - ttft_s) / (num_completion_tokens - 1))
         if queue_wait_s is not None:
-            self.queue_wait.observe(queue_wait_s)
+            self.queue_wait.observe(queue_wait_s, tags=tags)
         if num_prompt_tokens > 0:
-            self.prompt_tokens.inc(num_prompt_tokens)
+            self.prompt_tokens.inc(num_prompt_tokens, tags=tags)
         if num_completion_tokens > 0:
-            self.completion_tokens.inc(num_completion_tokens)
+            self.completion_tokens.inc(num_completion_tokens, tags=tags)
 
 
 class EngineMetrics:

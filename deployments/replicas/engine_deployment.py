@@ -25,6 +25,7 @@ from deployments.replicas.hooks import ReplicaHooks
 from deployments.observability.logs import route_logs_to_serve
 from deployments.observability.metrics import EngineMetricsReporter
 from engine import AsyncEngine, EngineConfig, GenerationChunk, ModelInfo, SamplingParams
+from engine.request.scheduling import Scheduling
 
 
 logger = logging.getLogger("ray.serve")  # the replica's log file
@@ -47,8 +48,8 @@ class EngineReplica:
         self._hooks = ReplicaHooks(serve.get_replica_context().replica_id.unique_id, config.block_size,
                                    self._engine.stats().num_kv_blocks_total)
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[GenerationChunk]:
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       scheduling: Scheduling = Scheduling()) -> AsyncIterator[GenerationChunk]:
         """Every token ready since the last chunk; the last chunk has a finish_reason.
 
         Raises ValueError before the first chunk for a request that can never run.
@@ -56,7 +57,8 @@ class EngineReplica:
         self._num_requests += 1
         self._hooks.arrived(request_id, prompt_token_ids, params.max_tokens)
         try:
-            async with contextlib.aclosing(self._engine.generate(request_id, prompt_token_ids, params)) as chunks:
+            chunks = self._engine.generate(request_id, prompt_token_ids, params, scheduling)
+            async with contextlib.aclosing(chunks):
                 async for chunk in chunks:
                     yield chunk
         finally:

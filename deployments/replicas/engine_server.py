@@ -28,10 +28,10 @@ from engine import EngineConfig
 class EngineServer(EngineReplica):
     async def __init__(self, tokenizer: DeploymentHandle, config: EngineConfig, max_chunks_per_s: ChunkBudget,
                        cpu_bind: str, model_name: str, api_keys: list[str], max_body_bytes: int,
-                       local_encode_max_chars: int) -> None:
+                       local_encode_max_chars: int, tenant_by_user: bool = False) -> None:
         EngineReplica.__init__(self, config, max_chunks_per_s, cpu_bind)
         self.serving = await build_serving(tokenizer, LocalEngine(self), model_name, api_keys, max_body_bytes,
-                                           local_encode_max_chars)
+                                           local_encode_max_chars, tenant_by_user)
 
     async def __del__(self) -> None:
         """Serve's shutdown: the engine's, then the ASGI app's (the next `__del__` in the

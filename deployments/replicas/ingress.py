@@ -39,7 +39,7 @@ class Ingress:
 
     async def __init__(self, tokenizer: DeploymentHandle, engine: DeploymentHandle, model_name: str,
                        api_keys: list[str] | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-                       local_encode_max_chars: int = DEFAULT_LOCAL_MAX_CHARS) -> None:
+                       local_encode_max_chars: int = DEFAULT_LOCAL_MAX_CHARS, tenant_by_user: bool = False) -> None:
         route_logs_to_serve("engine")
         self.serving = await build_serving(tokenizer, RemoteEngine(engine), model_name, api_keys, max_body_bytes,
-                                           local_encode_max_chars)
+                                           local_encode_max_chars, tenant_by_user)

@@ -24,9 +24,12 @@ from engine.model.gpt2 import GPT2LMHead
 from engine.model.packed_linear import can_pack
 from engine.model.progress import progress
 from engine.request.outputs import EngineStats, ModelInfo, StepOutput
-from engine.request.request_rules import check_context, check_kv_blocks, check_params, check_prompt, check_request_id_free
+from engine.request.request_rules import (
+    check_context, check_kv_blocks, check_params, check_prompt, check_request_id_free, check_scheduling,
+)
 from engine.sampling.sampler import Sampler, SamplingBatch
 from engine.request.sampling_params import SamplingParams
+from engine.request.scheduling import Scheduling
 from engine.core.scheduler import ScheduledBatch, Scheduler
 from engine.core.sequence import Sequence
 from engine.core.step_log import StepLog, StepRecord
@@ -62,7 +65,7 @@ class LLMEngine:
             vocab_size=hf.vocab_size, eos_token_id=self.eos_token_id,
             dtype=str(config.torch_dtype).removeprefix("torch."), device=str(config.torch_device),
             max_waiting_requests=config.max_waiting_requests, max_waiting_tokens=config.max_waiting_tokens,
-        )
+            priority_range=config.allowed_priorities)
         num_blocks = self._num_kv_blocks(model)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.runner = self._runner(model, num_blocks, graphed)
@@ -70,8 +73,8 @@ class LLMEngine:
         if self._compile is None:
             self.runner.decode_graph, self.runner.sampler = self._ready(self.runner.decode_graph)
         # the budget follows the graph steps take: eager steps until it is compiled, or where it cannot compile
-        cpu_graph = isinstance(self.runner.decode_graph, DecodeGraph)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.step_tokens(cpu_graph))
+        step_tokens = config.step_tokens(cpu_graph=isinstance(self.runner.decode_graph, DecodeGraph))
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, step_tokens, config.scheduling_policy)
         self._seqs: dict[str, Sequence] = {}
         self.step_log = StepLog()  # the replica's metrics drain it
         self._num_prompt_tokens = 0
@@ -91,10 +94,12 @@ class LLMEngine:
         # cannot hold fails this request here, not a step that batches it with others.
         SamplingBatch.from_params([params], [None], self.model_info.vocab_size, torch.device("cpu"))
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    scheduling: Scheduling = Scheduling()) -> None:
         check_request_id_free(request_id, self._seqs)
+        check_scheduling(scheduling, self.model_info.priority_range)
         self.validate_request(prompt_token_ids, params)
-        seq = Sequence(request_id, prompt_token_ids, params, self.config.block_size, self.eos_token_id)
+        seq = Sequence(request_id, prompt_token_ids, params, self.config.block_size, self.eos_token_id, scheduling)
         if params.seed is not None:
             seq.generator = torch.Generator(device=self.config.torch_device).manual_seed(params.seed)
         self._seqs[request_id] = seq

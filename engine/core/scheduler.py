@@ -1,12 +1,15 @@
 """Continuous batching: which sequences run this step, and how many tokens each.
 
 Each step spends a token budget (max_num_batched_tokens): running decodes first (one token
-each), then running prefills continue, then waiting requests are admitted FCFS while
-budget, batch slots (max_num_seqs) and KV blocks last. A prompt longer than what is left of
-the budget is prefilled in chunks over several steps, so it never stalls running decodes
+each), then running prefills continue, then waiting requests are admitted in the order of the
+scheduling policy (engine/core/queue_policy.py: first come first served, by priority, or fair
+shares between tenants) while budget, batch slots (max_num_seqs) and KV blocks last. A
+prompt longer than what is left of the budget is prefilled in chunks over several steps, so it never stalls running decodes
 for more than one step's worth of tokens. When a running sequence needs a block and none is
 free, the newest not-yet-scheduled running sequence is preempted: its blocks are freed and
-it goes back to the front of the waiting queue, to be recomputed later.
+it goes back to the front of the waiting queue, to be recomputed later. Under the priority
+and fair policies the victim is the lowest-ranked one instead, and a waiting request that
+finds the batch full preempts running ones it outranks (recompute, as vLLM's priority policy).
 
 A waiting prompt whose leading blocks another prompt is computing right now (admitted this
 step, or prefilling in chunks) and no cache holds yet waits, in its place in the queue, until
@@ -17,10 +20,10 @@ on one new system prompt computes it once (those behind it are admitted meanwhil
 from __future__ import annotations
 
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
 from engine.core.block_manager import BlockManager
+from engine.core.queue_policy import SchedulingPolicy, make_queue
 from engine.core.sequence import Sequence, SequenceStatus
 
 # Leading blocks a waiting prompt must share with one being computed to wait for it: a step
@@ -46,16 +49,20 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 policy: SchedulingPolicy = "fcfs"):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.waiting: deque[Sequence] = deque()
+        self.waiting = make_queue(policy)
         self.running: list[Sequence] = []  # in admission order: the last is the newest
         self.num_preemptions = 0
+        self._num_added = 0
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        seq.arrival_index = self._num_added
+        self._num_added += 1
+        self.waiting.add(seq)
 
     def remove(self, seq: Sequence) -> None:
         """Take seq out of the queues and give back its blocks (finish or abort)."""
@@ -64,9 +71,11 @@ class Scheduler:
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
+        self.waiting.forget(seq)
         seq.status = SequenceStatus.FINISHED
 
     def schedule(self) -> ScheduledBatch:
+        self._preempt_for_waiting()
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         # Decodes (one token left to compute) before prefills still in progress.
@@ -78,16 +87,39 @@ class Scheduler:
         in_flight = self._blocks_in_flight()
         deferred: list[Sequence] = []
         while budget > 0 and self.waiting and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+            seq = self.waiting.peek()
             if self._waits_for_blocks(seq, in_flight):
-                deferred.append(self.waiting.popleft())
+                self.waiting.remove(seq)
+                deferred.append(seq)
                 continue
             if not self._admit(seq, batch, budget):
                 break
             budget -= batch.num_new_tokens[-1]
             in_flight.update(self._uncommitted_prompt_blocks(seq))
-        self.waiting.extendleft(reversed(deferred))
+        for seq in reversed(deferred):
+            self.waiting.requeue(seq)
+        for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
+            self.waiting.charge(seq, num_new)
         return batch
+
+    def _preempt_for_waiting(self) -> None:
+        """Preempt running sequences the next waiting one outranks (the policy decides), until
+        it would find a batch slot and KV blocks for its first chunk."""
+        while (seq := self.waiting.peek()) is not None:
+            outranked = [s for s in reversed(self.running) if self.waiting.may_preempt(seq, s)]
+            if not outranked or self._has_room_for(seq):
+                return
+            self._preempt(max(outranked, key=self.waiting.victim_key))
+
+    def _has_room_for(self, seq: Sequence) -> bool:
+        """A slot, and blocks for seq's first chunk once every running sequence has taken
+        what its known tokens need (no prefix hits counted: an upper bound)."""
+        if len(self.running) >= self.max_num_seqs:
+            return False
+        bm = self.block_manager
+        needed = sum(bm.num_new_blocks_needed(s, s.num_tokens) for s in self.running)
+        first_chunk = min(seq.num_tokens, self.max_num_batched_tokens)
+        return bm.can_allocate(needed + bm.num_new_blocks_needed(seq, first_chunk))
 
     def _blocks_in_flight(self) -> set[int]:
         """Keys of prompt blocks that running sequences are computing and have not cached yet."""
@@ -138,7 +170,7 @@ class Scheduler:
             return False
         self.block_manager.allocate(seq, seq.num_computed_tokens + num_new)
         self.block_manager.record_prefix_lookup(seq.num_tokens, seq.num_computed_tokens)
-        self.waiting.popleft()
+        self.waiting.remove(seq)
         self.running.append(seq)
         seq.status = SequenceStatus.RUNNING
         if first_time:
@@ -147,13 +179,14 @@ class Scheduler:
         return True
 
     def _preemption_victim(self, batch: ScheduledBatch) -> Sequence:
+        """The lowest-ranked running sequence not yet in the batch (fcfs: the newest admitted)."""
         scheduled = set(map(id, batch.seqs))
-        return next(s for s in reversed(self.running) if id(s) not in scheduled)
+        return max((s for s in reversed(self.running) if id(s) not in scheduled), key=self.waiting.victim_key)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
+        self.waiting.requeue(seq)
         self.num_preemptions += 1

@@ -11,6 +11,7 @@ import torch
 from engine.sampling.logits_controls import TokenCounts
 from engine.request.token_logprob import TokenLogprob
 from engine.request.sampling_params import SamplingParams
+from engine.request.scheduling import Scheduling
 
 
 class SequenceStatus(enum.Enum):
@@ -45,8 +46,10 @@ class RequestTimings:
 
 class Sequence:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, block_size: int,
-                 eos_token_id: int | None = None):
+                 eos_token_id: int | None = None, scheduling: Scheduling = Scheduling()):
         self.request_id = request_id
+        self.priority, self.tenant, self.weight = scheduling.priority, scheduling.tenant, scheduling.weight
+        self.arrival_index = 0  # its place in arrival order, set by the scheduler
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params

@@ -18,7 +18,7 @@ import concurrent.futures
 from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
-from engine.frontend.admission import check_waiting_bounds, has_waiting_bounds, retry_after_s
+from engine.frontend.admission import TenantWork, check_waiting_bounds, has_waiting_bounds, retry_after_s
 from engine.config import EngineConfig
 from engine.core.llm_engine import LLMEngine
 from engine.frontend.messages import (
@@ -28,6 +28,7 @@ from engine.request.outputs import EngineDeadError, EngineStats, GenerationChunk
 from engine.request.request_rules import check_request_id_free
 from engine.frontend.request_stream import RequestStream, min_tokens_per_chunk
 from engine.request.sampling_params import SamplingParams
+from engine.request.scheduling import Scheduling
 from engine.core.step_log import StepRecord
 from engine.frontend.step_loop import StepLoop
 
@@ -77,18 +78,32 @@ class AsyncEngine:
         waiting = [s for s in self._streams.values() if s.is_waiting]
         return len(waiting), sum(s.num_prompt_tokens for s in waiting)
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[GenerationChunk]:
+    def tenant_work(self, scheduling: Scheduling) -> TenantWork:
+        """The waiting work of scheduling's tenant, and its share of the bounds by weight."""
+        weights, num_waiting, num_tokens = {scheduling.tenant: scheduling.weight}, 0, 0
+        for stream in self._streams.values():
+            if not stream.is_waiting:
+                continue
+            tenant = stream.scheduling.tenant
+            weights.setdefault(tenant, stream.scheduling.weight)
+            if tenant == scheduling.tenant:
+                num_waiting, num_tokens = num_waiting + 1, num_tokens + stream.num_prompt_tokens
+        return TenantWork(scheduling.tenant, num_waiting, num_tokens, scheduling.weight / sum(weights.values()))
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       scheduling: Scheduling = Scheduling()) -> AsyncIterator[GenerationChunk]:
         """Stream a request's tokens.
 
         Raises before any chunk: InvalidRequestError (a ValueError) for a request that can
         never run (LLMEngine.add_request's rules, checked on the step loop thread),
         EngineOverloadedError when the waiting bounds are full, EngineDeadError when the
-        step loop has crashed. Leaving the iterator early (break, cancellation, an error in
+        step loop has crashed. `scheduling`: the request's priority and tenant (the
+        policy's order, and per tenant bounds under the fair one). Leaving the iterator early (break, cancellation, an error in
         the consumer) aborts the request; its KV blocks are free by the end of the next step.
         """
-        stream = self._admit(request_id, len(prompt_token_ids))
-        self.step_loop.send(AddRequest(request_id, list(prompt_token_ids), params, asyncio.get_running_loop()))
+        stream = self._admit(request_id, len(prompt_token_ids), scheduling)
+        self.step_loop.send(AddRequest(request_id, list(prompt_token_ids), params, asyncio.get_running_loop(),
+                                       scheduling))
         try:
             async for chunk in stream.chunks():
                 yield chunk
@@ -111,13 +126,14 @@ class AsyncEngine:
     def shutdown(self, timeout: float = 5.0) -> None:
         self.step_loop.stop(timeout)
 
-    def _admit(self, request_id: str, num_prompt_tokens: int) -> RequestStream:
+    def _admit(self, request_id: str, num_prompt_tokens: int, scheduling: Scheduling) -> RequestStream:
         self.check_health()
         check_request_id_free(request_id, self._streams)
         if has_waiting_bounds(self.config):
             retry_after = retry_after_s(self.step_loop.stats.num_waiting, self.step_loop.step_rate.per_s)
-            check_waiting_bounds(self.config, *self.waiting_work(), num_prompt_tokens, retry_after)
-        stream = self._streams[request_id] = RequestStream(request_id, num_prompt_tokens)
+            tenant = self.tenant_work(scheduling) if self.config.scheduling_policy == "fair" else None
+            check_waiting_bounds(self.config, *self.waiting_work(), num_prompt_tokens, retry_after, tenant)
+        stream = self._streams[request_id] = RequestStream(request_id, num_prompt_tokens, scheduling)
         return stream
 
     def _receive(self, message: OutMessage) -> None:

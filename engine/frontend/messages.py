@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine.request.outputs import EngineDeadError, StepOutput
 from engine.request.sampling_params import SamplingParams
+from engine.request.scheduling import Scheduling
 
 if TYPE_CHECKING:
     from engine.core.llm_engine import LLMEngine
@@ -26,6 +27,7 @@ class AddRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     loop: asyncio.AbstractEventLoop  # where the request's outputs are delivered
+    scheduling: Scheduling = Scheduling()
 
 
 @dataclass(frozen=True)

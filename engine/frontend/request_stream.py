@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from engine.request.token_logprob import TokenLogprob
 from engine.request.outputs import ChunkTimings, GenerationChunk, StepOutput
+from engine.request.scheduling import Scheduling
 
 
 def min_tokens_per_chunk(num_streams: int, steps_per_s: float, max_chunks_per_s: float | None) -> int:
@@ -30,6 +31,7 @@ def min_tokens_per_chunk(num_streams: int, steps_per_s: float, max_chunks_per_s:
 class RequestStream:
     request_id: str
     num_prompt_tokens: int
+    scheduling: Scheduling = Scheduling()  # its tenant's waiting work is bounded too (admission.py)
     event: asyncio.Event = field(default_factory=asyncio.Event)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)

@@ -57,6 +57,7 @@ class ModelInfo:
     # The engine's overload bounds (EngineConfig's): what a request of several prompts must fit at once.
     max_waiting_requests: int | None = None
     max_waiting_tokens: int | None = None
+    priority_range: tuple[int, int] = (0, 0)  # the priorities a request may ask for (EngineConfig's, resolved)
 
 
 @dataclass(frozen=True)

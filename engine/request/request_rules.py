@@ -11,6 +11,7 @@ from collections.abc import Container, Iterable, Sequence
 
 from engine.request.invalid_request import InvalidRequestError
 from engine.request.sampling_params import SamplingParams
+from engine.request.scheduling import Scheduling
 
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 
@@ -57,6 +58,23 @@ def check_context(num_prompt_tokens: int, max_tokens: int, max_model_len: int, p
                                   "no room to generate", param, CONTEXT_LENGTH_EXCEEDED)
     raise InvalidRequestError(f"{param} ({num_prompt_tokens} tokens) + {max_tokens_param} ({max_tokens}) exceeds the "
                               f"model's context of {max_model_len} tokens", max_tokens_param, CONTEXT_LENGTH_EXCEEDED)
+
+
+def check_scheduling(scheduling: object, priority_range: tuple[int, int]) -> None:
+    """A priority within the configured range (fcfs: 0 only, it orders nothing), a tenant
+    weight above zero."""
+    if not isinstance(scheduling, Scheduling):
+        raise InvalidRequestError(f"scheduling must be Scheduling, got {type(scheduling).__name__}", "scheduling")
+    check_priority(scheduling.priority, priority_range)
+    if not (isinstance(scheduling.weight, (int, float)) and scheduling.weight > 0):
+        raise InvalidRequestError(f"tenant weight must be > 0, got {scheduling.weight!r}", "scheduling")
+
+
+def check_priority(priority: object, priority_range: tuple[int, int]) -> None:
+    low, high = priority_range
+    if isinstance(priority, bool) or not isinstance(priority, int) or not low <= priority <= high:
+        detail = "only 0: the scheduling policy is fcfs" if low == high == 0 else f"an integer in [{low}, {high}]"
+        raise InvalidRequestError(f"priority must be {detail}, got {priority!r}", "priority")
 
 
 def check_kv_blocks(num_tokens: int, block_size: int, num_blocks: int) -> None:

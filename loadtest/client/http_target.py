@@ -30,6 +30,7 @@ class Target:
     model: str | None = None
     api: Api = "completions"
     ignore_eos: bool = False
+    priority: int | None = None  # sent as vLLM's `priority` where set
 
     @property
     def endpoint(self) -> str:
@@ -59,6 +60,8 @@ def request_body(target: Target, prompt: str, workload: Workload) -> dict[str, A
         body["model"] = target.model
     if target.ignore_eos:
         body["ignore_eos"] = True
+    if target.priority is not None:
+        body["priority"] = target.priority
     return body
 
 

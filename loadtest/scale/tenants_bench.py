@@ -1,0 +1,154 @@
+"""Two tenants on one server (issue 55's goals): does a flood from one API key push the other's
+first token out, does an urgent request jump the queue, and what does the flood keep?
+
+Against a server already up with two keys, e.g.
+
+    RAYINFER_API_KEYS="sk-heavy name=heavy,sk-light name=light" serve run configs/gpt2.yaml
+    python -m loadtest.scale.tenants_bench --heavy-key sk-heavy --light-key sk-light
+
+Phases, each for --duration-s:
+    light alone     the light tenant sends one request at a time: its TTFT yardstick
+    heavy alone     the heavy tenant keeps --heavy-streams streams of --max-tokens open
+    flood           both at once, and a `priority: -10` probe from the light key, one at a time
+    both saturate   each tenant keeps --heavy-streams streams open: Jain's index of their tokens/s
+
+A 429 is the tenant's own waiting bound; any other failure is counted apart (the goal is none).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+
+import httpx
+
+from loadtest.client.http_target import Target, send_request
+from loadtest.client.sse_reader import StreamRecord
+from loadtest.client.workload import Workload
+
+PROMPT = "The history of the city begins with"
+PROBE_PRIORITY = -10
+
+
+@dataclass
+class TenantRun:
+    """What one tenant's loop saw in one phase."""
+
+    records: list[StreamRecord] = field(default_factory=list)
+
+    def ttft_p50_s(self) -> float | None:
+        ttfts = [r.ttft_s for r in self.records if r.is_ok and r.ttft_s is not None]
+        return statistics.median(ttfts) if ttfts else None
+
+    def tokens(self) -> int:
+        return sum(r.output_tokens for r in self.records if r.is_ok)
+
+    def num_429(self) -> int:
+        return sum(1 for r in self.records if r.error and r.error.startswith("HTTP 429"))
+
+    def num_failed(self) -> int:
+        return sum(1 for r in self.records if r.error and not r.error.startswith("HTTP 429"))
+
+
+@dataclass(frozen=True)
+class Tenant:
+    target: Target
+    client: httpx.AsyncClient
+    workload: Workload
+
+    async def send(self) -> StreamRecord:
+        return await send_request(self.client, self.target, PROMPT, self.workload)
+
+
+async def closed_loop(tenant: Tenant, num_streams: int, until: float, run: TenantRun) -> None:
+    """num_streams streams kept open until `until` (perf_counter), each sending again as it ends."""
+    async def stream() -> None:
+        while time.perf_counter() < until:
+            run.records.append(await tenant.send())
+    await asyncio.gather(*(stream() for _ in range(num_streams)))
+
+
+def jain_index(rates: list[float]) -> float:
+    """(sum x)^2 / (n sum x^2): 1 when every tenant gets the same, 1/n when one gets all."""
+    squares = sum(x * x for x in rates)
+    return sum(rates) ** 2 / (len(rates) * squares) if squares else 0.0
+
+
+def make_tenant(args: argparse.Namespace, key: str, max_tokens: int, priority: int | None = None) -> Tenant:
+    target = Target(args.url, "tenant", model=args.model, ignore_eos=True, priority=priority)
+    client = httpx.AsyncClient(headers={"Authorization": f"Bearer {key}"}, timeout=None,
+                               limits=httpx.Limits(max_connections=None))
+    return Tenant(target, client, Workload(max_tokens=max_tokens, temperature=0.0))
+
+
+async def run_phases(args: argparse.Namespace) -> dict:
+    heavy = make_tenant(args, args.heavy_key, args.max_tokens)
+    light = make_tenant(args, args.light_key, args.light_max_tokens)
+    probe = make_tenant(args, args.light_key, args.light_max_tokens, PROBE_PRIORITY)
+    n, d = args.heavy_streams, args.duration_s
+    phases: dict[str, dict[str, TenantRun]] = {}
+    phases["light alone"] = await _phase(d, {"light": (light, 1)})
+    phases["heavy alone"] = await _phase(d, {"heavy": (heavy, n)})
+    phases["flood"] = await _phase(d, {"heavy": (heavy, n), "light": (light, 1), "probe": (probe, 1)})
+    light_saturating = make_tenant(args, args.light_key, args.max_tokens)
+    phases["both saturate"] = await _phase(d, {"heavy": (heavy, n), "light": (light_saturating, n)})
+    for tenant in (heavy, light, probe, light_saturating):
+        await tenant.client.aclose()
+    return summarize(phases, d)
+
+
+async def _phase(duration_s: float, loops: dict[str, tuple[Tenant, int]]) -> dict[str, TenantRun]:
+    runs = {name: TenantRun() for name in loops}
+    until = time.perf_counter() + duration_s
+    await asyncio.gather(*(closed_loop(tenant, n, until, runs[name]) for name, (tenant, n) in loops.items()))
+    return runs
+
+
+def summarize(phases: dict[str, dict[str, TenantRun]], duration_s: float) -> dict:
+    light_alone = phases["light alone"]["light"].ttft_p50_s()
+    flood = phases["flood"]
+    heavy_alone_tps = phases["heavy alone"]["heavy"].tokens() / duration_s
+    saturated = [run.tokens() / duration_s for run in phases["both saturate"].values()]
+    return {
+        "light_ttft_p50_alone_s": light_alone,
+        "light_ttft_p50_flood_s": flood["light"].ttft_p50_s(),
+        "probe_ttft_p50_flood_s": flood["probe"].ttft_p50_s(),
+        "heavy_tok_s_alone": heavy_alone_tps,
+        "heavy_tok_s_flood": flood["heavy"].tokens() / duration_s,
+        "jain_index_saturated": jain_index(saturated),
+        "num_429": {f"{p}/{t}": run.num_429() for p, runs in phases.items() for t, run in runs.items()},
+        "num_failed_not_429": sum(run.num_failed() for runs in phases.values() for run in runs.values()),
+    }
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--url", default="http://127.0.0.1:8000")
+    parser.add_argument("--model", default=None, help="the served model's name, where the server wants one")
+    parser.add_argument("--heavy-key", required=True)
+    parser.add_argument("--light-key", required=True)
+    parser.add_argument("--heavy-streams", type=int, default=160)
+    parser.add_argument("--max-tokens", type=int, default=256, help="of each heavy stream")
+    parser.add_argument("--light-max-tokens", type=int, default=16)
+    parser.add_argument("--duration-s", type=float, default=60.0, help="of each phase")
+    parser.add_argument("--out", default=None, help="write the summary here as JSON")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    summary = asyncio.run(run_phases(args))
+    text = json.dumps(summary, indent=2)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as out:
+            out.write(text + "\n")
+    return summary
+
+
+if __name__ == "__main__":
+    main()
