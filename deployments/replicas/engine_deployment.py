@@ -12,6 +12,7 @@ import contextlib
 import logging
 import os
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 import psutil
 from ray import serve
@@ -24,7 +25,10 @@ from deployments.api.engine_client import EngineStatus
 from deployments.routing.engine_load import EngineLoad, LoadLog
 from deployments.observability.logs import route_logs_to_serve
 from deployments.observability.metrics import EngineMetricsReporter
-from engine import AsyncEngine, EngineConfig, GenerationChunk, ModelInfo, SamplingParams
+from engine import EngineConfig, GenerationChunk, ModelInfo, SamplingParams
+
+if TYPE_CHECKING:
+    from engine import AsyncEngine
 
 
 FAULT_INJECTION_ENV = "RAYINFER_ENABLE_FAULT_INJECTION"  # "1" only in tests
@@ -43,7 +47,10 @@ class EngineReplica:
                     max_chunks_per_s)
         self._cores = ReplicaCores(cpu_bind if config.device == "cpu" else "nobind", config.cpu_threads)
         self._cores.follow(serve.get_replica_context().rank.local_rank)  # before the engine's threads start
-        self._engine = AsyncEngine(config, max_chunks_per_s=chunks_per_s)
+        # Imported here, not with the module: the app's build imports this file, and needs no torch.
+        from engine import AsyncEngine
+
+        self._engine: AsyncEngine = AsyncEngine(config, max_chunks_per_s=chunks_per_s)
         self._metrics = EngineMetricsReporter(self._engine.stats, self._engine.drain_steps)
         self._num_requests = 0
         self._load_log = LoadLog(serve.get_replica_context().replica_id.unique_id, config.block_size,

@@ -14,11 +14,13 @@ import time
 from dataclasses import asdict, dataclass
 from collections.abc import Collection
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from deployments.routing.cache_shadow import CacheShadow
 from deployments.routing.prefix_routing import block_hashes
-from engine import AsyncEngine
+
+if TYPE_CHECKING:
+    from engine import AsyncEngine
 
 
 @dataclass(frozen=True)
