@@ -26,6 +26,7 @@ from deployments.routing.engine_load import EngineLoad, LoadLog
 from deployments.observability.logs import route_logs_to_serve
 from deployments.observability.metrics import EngineMetricsReporter
 from engine import EngineConfig, GenerationChunk, ModelInfo, SamplingParams
+from engine.model.progress import progress
 
 if TYPE_CHECKING:
     from engine import AsyncEngine
@@ -48,8 +49,8 @@ class EngineReplica:
         self._cores = ReplicaCores(cpu_bind if config.device == "cpu" else "nobind", config.cpu_threads)
         self._cores.follow(serve.get_replica_context().rank.local_rank)  # before the engine's threads start
         # Imported here, not with the module: the app's build imports this file, and needs no torch.
-        from engine import AsyncEngine
-
+        with progress("importing torch and the engine"):
+            from engine import AsyncEngine
         self._engine: AsyncEngine = AsyncEngine(config, max_chunks_per_s=chunks_per_s)
         self._metrics = EngineMetricsReporter(self._engine.stats, self._engine.drain_steps)
         self._num_requests = 0
