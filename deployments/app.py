@@ -18,7 +18,6 @@ import math
 from typing import Annotated, Any, Literal
 
 import ray
-import torch
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from ray import serve
 
@@ -103,8 +102,8 @@ def make_app(args: dict, deployment_options: dict[str, dict] | None = None) -> s
     tokenizer_app = tokenizer.options(**options.get("TokenizerDeployment", {})).bind(
         app_args.model, app_args.tokenizer_max_batch_size, app_args.tokenizer_batch_wait_s)
     engine_args = (config, app_args.max_chunks_per_s, app_args.engine_cpu_bind)
-    http_args = (app_args.served_model_name or app_args.model, app_args.api_keys, app_args.max_body_bytes,
-                 app_args.local_encode_max_chars, app_args.tenant_by_user)
+    http_args = (app_args.served_model_name or app_args.model, app_args.model, app_args.api_keys,
+                 app_args.max_body_bytes, app_args.local_encode_max_chars, app_args.tenant_by_user)
     engine_options = engine_deployment_options(app_args, num_gpus) | options.get("EngineDeployment", {})
     if app_args.ingress == "engine":
         return EngineServer.options(**engine_options).bind(tokenizer_app, *engine_args, *http_args)
@@ -150,5 +149,8 @@ def engine_num_gpus(args: AppArgs) -> float:
 def cluster_num_gpus() -> float:
     if ray.is_initialized():
         return ray.cluster_resources().get("GPU", 0)
-    # `serve run module:build_app` builds the app before it connects to Ray.
+    # `serve run module:build_app` builds the app before it connects to Ray; torch only then
+    # (a config file's app is built in a Ray task, which then needs no torch).
+    import torch
+
     return torch.cuda.device_count()

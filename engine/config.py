@@ -3,31 +3,35 @@
 Its defaults are the fast, correct path on the machine it runs on, the same for the offline
 `LLM`, an `AsyncEngine` and the served app: configs/*.yaml set only what they change. A test
 or script that wants an engine up at once passes compile_decode=False.
+
+It is validated where it is made, and that may be a process without torch (the Serve app's
+build): torch is imported by the properties that resolve device and dtype, where the engine runs.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Literal, get_args
-
-import torch
+from typing import TYPE_CHECKING, Literal, get_args
 
 from engine.kernels.cpu import cpu_features, usable_cpus
 from engine.model.loader import WeightsMode, check_weights_mode
 from engine.request.scheduling import SchedulingPolicy
 
+if TYPE_CHECKING:
+    import torch
+
 LinearsMode = Literal["auto", "reference"]
 # A hot op's implementation: our C++ kernel (native), torch's (torch), or native where it runs (auto).
 KernelChoice = Literal["auto", "native", "torch"]
 
-_DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
+_DTYPES = {  # name -> torch's name for it
+    "float32": "float32",
+    "fp32": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
 }
 
 
@@ -168,6 +172,8 @@ class EngineConfig:
 
     @cached_property
     def torch_device(self) -> torch.device:
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
@@ -176,8 +182,10 @@ class EngineConfig:
 
     @cached_property
     def torch_dtype(self) -> torch.dtype:
+        import torch
+
         if self.dtype != "auto":
-            return _DTYPES[self.dtype]
+            return getattr(torch, _DTYPES[self.dtype])
         if self.torch_device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
         return torch.bfloat16 if cpu_features().has_fast_bf16 else torch.float32
@@ -188,6 +196,8 @@ class EngineConfig:
         if self.torch_device.type != "cpu":
             return 0
         if self.one_thread_max_tokens == "auto":
+            import torch
+
             return 1 if self.torch_dtype == torch.bfloat16 else 0
         return self.one_thread_max_tokens
 

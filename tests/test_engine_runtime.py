@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -68,6 +70,19 @@ def test_engine_cpu_replicas_sets_the_replica_count_on_cpu_and_never_on_gpus() -
 def test_a_config_key_that_is_not_a_string_map_is_refused() -> None:
     with pytest.raises(ValueError, match="engine_env"):
         AppArgs.model_validate({"engine_env": ["KMP_AFFINITY=disabled"]})
+
+
+def test_the_shipped_configs_app_builds_without_importing_torch() -> None:
+    """`serve run` builds a config file's app in a Ray task of its own before any replica
+    starts: torch there would be seconds on the way to the first answer. (In that task the
+    cluster says how many GPUs it has; engine_num_gpus: 0 stands for a CPU cluster's answer.)"""
+    code = ("import sys, yaml; from deployments.app import build_app; "
+            "args = yaml.safe_load(open('configs/gpt2.yaml'))['applications'][0]['args']; "
+            "build_app({**args, 'engine_num_gpus': 0}); "
+            "print(sorted(m for m in ('torch', 'engine.core.llm_engine') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1],
+                            capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,7 @@ Each route is a line handing the request to deployments/api/serving.py; the Open
 and chat routes share one body there.
 """
 
+import asyncio
 from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Request
@@ -116,12 +117,15 @@ async def health(serving: ServingDep) -> JSONResponse:
     return await serving.health()
 
 
-async def build_serving(tokenizer: DeploymentHandle, engine: EngineClient, model_name: str, api_keys: list[str] | None,
-                        max_body_bytes: int, local_encode_max_chars: int, tenant_by_user: bool = False) -> Serving:
-    """A replica's Serving: the model's tokenizer, loaded here for local encodes and detokenizing."""
+async def build_serving(tokenizer: DeploymentHandle, engine: EngineClient, model_name: str, model: str,
+                        api_keys: list[str] | None, max_body_bytes: int, local_encode_max_chars: int,
+                        tenant_by_user: bool = False) -> Serving:
+    """A replica's Serving: the tokenizer of `model` (the engine's checkpoint), loaded here for
+    local encodes and detokenizing while the engine starts: its model_info waits for the engine."""
     tokenizer = over_grpc(tokenizer)
-    info = await engine.model_info()
-    hf_tokenizer = load_tokenizer(info.name)
+    hf_tokenizer, info = await asyncio.gather(asyncio.to_thread(load_tokenizer, model), engine.model_info())
+    if info.name != model:
+        raise ValueError(f"the engine serves {info.name!r}, not {model!r}: the routes would tokenize for another model")
     encoding = PromptEncoding(tokenizer, Encoder(hf_tokenizer), local_encode_max_chars, TokenizerMetrics("ingress"))
     keys = ApiKeys.from_config(api_keys, tenant_by_user)
     return Serving(tokenizer, encoding, engine, model_name, keys, max_body_bytes, info,

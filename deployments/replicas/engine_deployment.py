@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 import psutil
 from ray import serve
@@ -24,8 +25,12 @@ from deployments.routing.engine_load import EngineLoad
 from deployments.replicas.hooks import ReplicaHooks
 from deployments.observability.logs import route_logs_to_serve
 from deployments.observability.metrics import EngineMetricsReporter
-from engine import AsyncEngine, EngineConfig, GenerationChunk, ModelInfo, SamplingParams
+from engine import EngineConfig, GenerationChunk, ModelInfo, SamplingParams
+from engine.model.progress import progress
 from engine.request.scheduling import Scheduling
+
+if TYPE_CHECKING:
+    from engine import AsyncEngine
 
 
 logger = logging.getLogger("ray.serve")  # the replica's log file
@@ -42,7 +47,10 @@ class EngineReplica:
                     max_chunks_per_s)
         self._cores = ReplicaCores(cpu_bind if config.device == "cpu" else "nobind", config.cpu_threads)
         self._cores.follow(serve.get_replica_context().rank.local_rank)  # before the engine's threads start
-        self._engine = AsyncEngine(config, max_chunks_per_s=chunks_per_s)
+        # Imported here, not with the module: the app's build imports this file, and needs no torch.
+        with progress("importing torch and the engine"):
+            from engine import AsyncEngine
+        self._engine: AsyncEngine = AsyncEngine(config, max_chunks_per_s=chunks_per_s)
         self._metrics = EngineMetricsReporter(self._engine.stats, self._engine.drain_steps)
         self._num_requests = 0
         self._hooks = ReplicaHooks(serve.get_replica_context().replica_id.unique_id, config.block_size,

@@ -27,10 +27,10 @@ from engine import EngineConfig
 @serve.ingress(api)
 class EngineServer(EngineReplica):
     async def __init__(self, tokenizer: DeploymentHandle, config: EngineConfig, max_chunks_per_s: ChunkBudget,
-                       cpu_bind: str, model_name: str, api_keys: list[str], max_body_bytes: int,
+                       cpu_bind: str, model_name: str, model: str, api_keys: list[str], max_body_bytes: int,
                        local_encode_max_chars: int, tenant_by_user: bool = False) -> None:
         EngineReplica.__init__(self, config, max_chunks_per_s, cpu_bind)
-        self.serving = await build_serving(tokenizer, LocalEngine(self), model_name, api_keys, max_body_bytes,
+        self.serving = await build_serving(tokenizer, LocalEngine(self), model_name, model, api_keys, max_body_bytes,
                                            local_encode_max_chars, tenant_by_user)
 
     async def __del__(self) -> None:

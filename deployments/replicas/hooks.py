@@ -15,11 +15,13 @@ import os
 import time
 from collections.abc import Callable, Collection
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from deployments.routing.cache_shadow import CacheShadow
 from deployments.routing.prefix_routing import block_hashes
-from engine import AsyncEngine, LLMEngine
+
+if TYPE_CHECKING:  # the replica imports the engine in its constructor, not with its modules
+    from engine import AsyncEngine, LLMEngine
 
 TEST_HOOKS_ENV = "RAYINFER_TEST_HOOKS"
 LOAD_LOG_DIR_ENV = "RAYINFER_LOAD_LOG_DIR"
@@ -32,7 +34,11 @@ def fail_next_step(engine: LLMEngine) -> None:
     engine.step = failing_step  # this engine's own: the loop's next step calls it
 
 
-TEST_HOOKS: dict[str, Callable[[LLMEngine], None]] = {"check_integrity": LLMEngine.check_integrity,
+def check_integrity(engine: LLMEngine) -> None:
+    engine.check_integrity()
+
+
+TEST_HOOKS: dict[str, Callable[[LLMEngine], None]] = {"check_integrity": check_integrity,
                                                        "fail_next_step": fail_next_step}
 
 

@@ -37,9 +37,9 @@ HTTP_LIMITS = dict(max_ongoing_requests=512, max_queued_requests=256,
 class Ingress:
     """The routes in a deployment of their own, calling the engine deployment by handle."""
 
-    async def __init__(self, tokenizer: DeploymentHandle, engine: DeploymentHandle, model_name: str,
+    async def __init__(self, tokenizer: DeploymentHandle, engine: DeploymentHandle, model_name: str, model: str,
                        api_keys: list[str] | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                        local_encode_max_chars: int = DEFAULT_LOCAL_MAX_CHARS, tenant_by_user: bool = False) -> None:
         route_logs_to_serve("engine")
-        self.serving = await build_serving(tokenizer, RemoteEngine(engine), model_name, api_keys, max_body_bytes,
-                                           local_encode_max_chars, tenant_by_user)
+        self.serving = await build_serving(tokenizer, RemoteEngine(engine), model_name, model, api_keys,
+                                           max_body_bytes, local_encode_max_chars, tenant_by_user)

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
-from engine import AsyncEngine
+if TYPE_CHECKING:
+    from engine import AsyncEngine
 
 
 @dataclass(frozen=True)

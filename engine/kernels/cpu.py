@@ -10,6 +10,10 @@ flags only refine it (oneDNN also runs bf16 on AVX-512 cores without native bf16
 RAYINFER_CPU_ISA=avx2|avx512|avx512_bf16|amx|baseline caps the probe at that level, so an
 AVX-512 machine can run as an AVX2-only CPU would (together with ONEDNN_MAX_CPU_ISA=AVX2
 ATEN_CPU_CAPABILITY=avx2). It can only lower what the CPU reports, never raise it.
+
+torch is imported where the probe runs, not with the module: usable_cpus and the engine's
+config read this file in processes that never load torch (the Serve app's build, the
+tokenizer and Ingress replicas).
 """
 
 from __future__ import annotations
@@ -18,8 +22,10 @@ import functools
 import os
 import platform
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 ISA_ENV = "RAYINFER_CPU_ISA"
 ISA_LEVELS = ("baseline", "avx2", "avx512", "avx512_bf16", "amx")
@@ -48,6 +54,8 @@ class CpuFeatures:
         return self.onednn_bf16 and (self.avx512_bf16 or self.amx)
 
     def can_pack(self, dtype: torch.dtype) -> bool:
+        import torch
+
         if not self.onednn_linear or self.machine not in ("x86_64", "AMD64"):
             return False
         if dtype == torch.bfloat16:
@@ -79,6 +87,8 @@ def cpu_features() -> CpuFeatures:
 
 
 def _probe() -> CpuFeatures:
+    import torch
+
     capability = torch.backends.cpu.get_cpu_capability()
     x86 = platform.machine() in ("x86_64", "AMD64")
     onednn = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
@@ -97,6 +107,8 @@ def _probe() -> CpuFeatures:
 
 
 def _cpu_flag(name: str) -> bool:
+    import torch
+
     check = getattr(torch.cpu, name, None)
     return bool(check()) if check is not None else False
 

@@ -18,6 +18,7 @@ runs the graph a step on two compiled, and the graph is compiled once, not once 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -49,19 +50,28 @@ def compile_for(device: torch.device, fn: Callable, dynamic: bool | None = None,
     first traces a module's float attributes (LayerNorm's eps) as symbols, then restarts the
     whole trace when inductor cannot keep them, a second trace of the model every compile.
     The patches are process-wide: a compile on another thread meanwhile may restart once.
+
+    torch.compile itself runs at the first call, not here: it imports dynamo and inductor,
+    which the thread that compiles should pay (the engine's background compile), not the
+    engine's start, which builds the graph's wrapper with the model.
     """
+    make_compiled = functools.cache(lambda: _torch_compile(device, fn, dynamic, cpp_wrapper))
+
+    def with_settings(*args):
+        compiled = make_compiled()
+        with torch._inductor.config.patch(freezing=freezing), torch._dynamo.config.patch(specialize_float=True):
+            return compiled(*args)
+
+    return with_settings
+
+
+def _torch_compile(device: torch.device, fn: Callable, dynamic: bool | None, cpp_wrapper: bool) -> Callable:
     if cpp_wrapper:
         _cache_cpp_wrappers_across_processes()
     options = {**inductor_options(device), **({"cpp_wrapper": True} if cpp_wrapper else {})}
     if device.type == "cpu":
         options |= {"cpp.dynamic_threads": True, "guard_filter_fn": _without_global_state}
-    compiled = torch.compile(fn, dynamic=dynamic, options=options)
-
-    def with_settings(*args):
-        with torch._inductor.config.patch(freezing=freezing), torch._dynamo.config.patch(specialize_float=True):
-            return compiled(*args)
-
-    return with_settings
+    return torch.compile(fn, dynamic=dynamic, options=options)
 
 
 def _without_global_state(guards: Sequence) -> list[bool]:

@@ -57,8 +57,8 @@ class GPT2LMHead(nn.Module):
         super().__init__()
         _check_supported(config)
         self.config = config
-        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
-        self.wpe = nn.Embedding(config.n_positions, config.n_embd)
+        self.wte = _uninitialized_embedding(config.vocab_size, config.n_embd)
+        self.wpe = _uninitialized_embedding(config.n_positions, config.n_embd)
         self.h = nn.ModuleList(GPT2Block(config) for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
         self.lm_head: PackedLinear | None = None  # tied to wte; a packed copy after pack_linears()
@@ -143,7 +143,14 @@ class GPT2LMHead(nn.Module):
             elif name.endswith("bias"):
                 nn.init.zeros_(param)
             else:
-                param.copy_(torch.randn(param.shape, generator=generator) * std)
+                param.normal_(0.0, std, generator=generator)  # the values of randn(...) * std, without the copies
+
+
+def _uninitialized_embedding(num_embeddings: int, dim: int) -> nn.Embedding:
+    """An embedding whose weight is given, not drawn: the model is built on the meta device and
+    its weights are loaded or drawn after, and nn.Embedding's own draw there runs torch's
+    Python reference ops, whose first use imports torch._dynamo, on the start-up's path."""
+    return nn.Embedding(num_embeddings, dim, _weight=torch.empty(num_embeddings, dim))
 
 
 _RENAMES = {"attn.c_attn": "attn_qkv", "attn.c_proj": "attn_out", "mlp.c_fc": "mlp_fc", "mlp.c_proj": "mlp_proj"}
