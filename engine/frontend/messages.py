@@ -11,9 +11,13 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from engine.request.outputs import EngineDeadError, StepOutput
 from engine.request.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 
 @dataclass(frozen=True)
@@ -22,6 +26,7 @@ class AddRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     loop: asyncio.AbstractEventLoop  # where the request's outputs are delivered
+    grammar: xgr.CompiledGrammar | None = None  # params.constraint's, compiled before it was sent
 
 
 @dataclass(frozen=True)

@@ -142,9 +142,9 @@ class StepLoop:
 
     def _apply(self, message: InMessage) -> None:
         match message:
-            case AddRequest(request_id, prompt_token_ids, params, loop):
+            case AddRequest(request_id, prompt_token_ids, params, loop, grammar):
                 try:
-                    self.engine.add_request(request_id, prompt_token_ids, params)
+                    self.engine.add_request(request_id, prompt_token_ids, params, grammar)
                     self._loops[request_id] = loop
                 except ValueError as exc:
                     _send(loop, self.on_output, RequestRejected(request_id, exc))
