@@ -76,12 +76,9 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.step_tokens(cpu_graph))
         self._seqs: dict[str, Sequence] = {}
         self.step_log = StepLog()  # the replica's metrics drain it
-        self._num_prompt_tokens = 0
-        self._num_generated_tokens = 0
-        # Structured outputs' grammars, compiled against this model's tokenizer; any thread may
-        # compile (AsyncEngine does, off the step loop), the step loop only matches.
+        self._num_prompt_tokens = self._num_generated_tokens = self._num_constrained_requests = 0
+        # Structured outputs' grammars; any thread may compile (AsyncEngine does, off the step loop).
         self.grammars = GrammarCache(config.model, hf.vocab_size, self.eos_token_id)
-        self._num_constrained_requests = 0
         logger.info("engine ready: %s (%s weights, %s, %s), %d KV blocks of %d tokens",
                     config.model, source.weights, self.model_info.dtype, self.model_info.device,
                     num_blocks, config.block_size)
