@@ -6,10 +6,6 @@ constraint ends the request ("stop"), max_tokens first ends it "length"."""
 
 from __future__ import annotations
 
-import json
-import re
-
-import jsonschema
 import pytest
 import torch
 import transformers
@@ -19,43 +15,10 @@ from engine import LLM, SamplingParams
 from engine.request.constraint import Constraint
 from engine.request.invalid_request import InvalidRequestError
 from tests.engine_helpers import hf_greedy, hf_model, mixed_prompts
+from tests.structured_helpers import CHOICES, CONSTRAINTS, is_valid
 
 MAX_TOKENS = 40
 EOS = 50256
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
-                                           "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3}},
-          "required": ["name", "age", "tags"]}
-REGEX = r"[A-Z]{2}-\d{3}( [a-z]{1,6})?"
-CHOICES = ["yes", "no", "it depends"]
-GRAMMAR = 'root ::= "(" item (", " item)* ")"\nitem ::= [a-c]+ | "nil"'
-CONSTRAINTS = {
-    "json_schema": Constraint("json_schema", json.dumps(SCHEMA)),
-    "json_object": Constraint("json_object"),
-    "regex": Constraint("regex", REGEX),
-    "choice": Constraint.choice(CHOICES, "guided_choice"),
-    "grammar": Constraint("grammar", GRAMMAR),
-}
-
-
-def is_valid(kind: str, text: str) -> bool:
-    """Whether a complete output is one the constraint allows."""
-    if kind in ("json_schema", "json_object"):
-        try:
-            value = json.loads(text)
-        except json.JSONDecodeError:
-            return False
-        if kind == "json_object":
-            return isinstance(value, dict)
-        try:
-            jsonschema.validate(value, SCHEMA)
-        except jsonschema.ValidationError:
-            return False
-        return True
-    if kind == "regex":
-        return re.fullmatch(REGEX, text) is not None
-    if kind == "choice":
-        return text in CHOICES
-    return re.fullmatch(r"\(([a-c]+|nil)(, ([a-c]+|nil))*\)", text) is not None
 
 
 @pytest.fixture(scope="module")
