@@ -6,12 +6,15 @@ constraint ends the request ("stop"), max_tokens first ends it "length"."""
 
 from __future__ import annotations
 
+import asyncio
+import threading
+
 import pytest
 import torch
 import transformers
 import xgrammar as xgr
 
-from engine import LLM, SamplingParams
+from engine import LLM, AsyncEngine, EngineConfig, SamplingParams
 from engine.request.constraint import Constraint
 from engine.request.invalid_request import InvalidRequestError
 from tests.engine_helpers import hf_greedy, hf_model, mixed_prompts
@@ -154,3 +157,27 @@ def test_grammars_are_compiled_once_per_text(tiny_gpt2_dir):
     stats = llm.engine.stats()
     assert (stats.num_constrained_requests, stats.num_grammar_compiles) == (3, 1)
     assert stats.grammar_compile_s > 0
+
+
+def test_the_async_front_compiles_off_the_step_loop_and_refuses_what_does_not_compile(tiny_gpt2_dir):
+    engine = AsyncEngine(EngineConfig(model=str(tiny_gpt2_dir), weights="pretrained", dtype="float32", device="cpu",
+                                      compile_decode=False))
+    grammars, compiled_on = engine.engine.grammars, []
+    compile_ = grammars.compile
+    grammars.compile = lambda constraint: compiled_on.append(threading.current_thread().name) or compile_(constraint)
+
+    try:
+        chunks = asyncio.run(_generate(engine, "ok", greedy("choice")))
+        assert chunks[-1].finish_reason == "stop"
+        bad = SamplingParams(max_tokens=4, constraint=Constraint("regex", "(", "guided_regex"))
+        with pytest.raises(InvalidRequestError) as info:
+            asyncio.run(_generate(engine, "bad", bad))
+        assert info.value.param == "guided_regex"
+        assert compiled_on and "step-loop" not in " ".join(compiled_on)
+        assert engine.num_active_requests() == 0
+    finally:
+        engine.shutdown()
+
+
+async def _generate(engine: AsyncEngine, request_id: str, params: SamplingParams) -> list:
+    return [chunk async for chunk in engine.generate(request_id, [1, 2, 3], params)]
