@@ -6,6 +6,7 @@
 # `http_headers` where its app wants an API key) and gets `http` and `oai` from here.
 from __future__ import annotations
 
+import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,7 +18,12 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
+from deployments.replicas.hooks import TEST_HOOKS_ENV
 from engine.model.loader import load_tokenizer
+
+# Every Ray cluster a test starts inherits it: the tests' door into a running engine
+# (deployments/replicas/hooks.py: integrity checks, injected faults), shut in service.
+os.environ[TEST_HOOKS_ENV] = "1"
 
 
 @pytest.fixture(scope="session")

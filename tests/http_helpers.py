@@ -68,7 +68,7 @@ def wait_for(predicate: Callable[[], bool], timeout_s: float = 20, interval_s: f
 def check_engine_integrity(app: str) -> None:
     """The serving engine's own KV pool check (ref counts, free + used = total), beyond the
     counts /health reports. Raises AssertionError (through Ray) when it fails."""
-    serve.get_deployment_handle("EngineDeployment", app).check_integrity.remote().result(timeout_s=30)
+    serve.get_deployment_handle("EngineDeployment", app).test_hook.remote("check_integrity").result(timeout_s=30)
 
 
 def assert_openai_error(response: httpx.Response, status: int, type: str, param: str | None = None) -> dict:

@@ -188,6 +188,15 @@ class ServeRun:
             time.sleep(1)
         pytest.fail(f"not ready after {READY_TIMEOUT_S}s:\n{self.log_tail()}")
 
+    def wait_for_log(self, text: str, timeout_s: float) -> None:
+        """Until serve run's output (which carries its replicas' logs) holds `text`."""
+        deadline = time.monotonic() + timeout_s
+        while text not in self.log.read_text():
+            assert self.proc.poll() is None, f"serve run exited early (rc {self.proc.returncode}):\n{self.log_tail()}"
+            if time.monotonic() > deadline:
+                pytest.fail(f"no {text!r} in serve run's log after {timeout_s}s:\n{self.log_tail()}")
+            time.sleep(1)
+
     def stop(self, timeout_s: float) -> None:
         """Ctrl-C, as a user stops it: serve run exits 0 and takes every process it started."""
         self._descendants = self._children()

@@ -9,7 +9,8 @@ import time
 import psutil
 import pytest
 
-from engine import LLM, AsyncEngine, EngineConfig, EngineDeadError, EngineOverloadedError, SamplingParams
+from deployments.replicas.hooks import fail_next_step
+from engine import LLM, AsyncEngine, EngineConfig, EngineDeadError, EngineOverloadedError, LLMEngine, SamplingParams
 from engine.core import heap
 from engine.frontend import step_loop
 from engine.request.invalid_request import InvalidRequestError
@@ -100,7 +101,7 @@ def test_breaking_out_of_a_stream_aborts_the_request_and_frees_its_blocks(engine
 
     asyncio.run(main())
     assert engine.num_active_requests() == 0
-    asyncio.run(engine.check_integrity())  # on the loop thread, between steps
+    asyncio.run(engine.call_on_loop(LLMEngine.check_integrity))  # on the loop thread, between steps
 
 
 def test_an_event_loop_closed_under_an_open_stream_frees_its_request_and_the_engine_serves_on(engine):
@@ -187,8 +188,8 @@ def test_a_crash_in_the_step_loop_fails_in_flight_requests_and_marks_the_engine_
     async def main():
         stream = engine.generate("doomed", [1, 2, 3], SamplingParams(max_tokens=500, temperature=0, ignore_eos=True))
         await stream.__anext__()
-        engine.inject_fault(RuntimeError("injected fault"))
-        with pytest.raises(EngineDeadError, match="injected fault"):
+        await engine.call_on_loop(fail_next_step)
+        with pytest.raises(EngineDeadError, match="fault injected by a test"):
             async for _ in stream:
                 pass
         with pytest.raises(EngineDeadError):
@@ -313,7 +314,8 @@ def test_a_replicas_load_report_is_current_while_idle_and_counts_the_work_ahead_
 
     busy = asyncio.run(main())
     assert busy.num_pending_prompt_tokens == 0 and 0 < busy.num_pending_decode_tokens < 50
-    time.sleep(0.2)
+    time.sleep(0.2)  # the last step's stamp is now older than the report below
+    asked_at = time.time()
     idle = EngineLoad.of(engine, 1)
     assert (idle.num_pending_prompt_tokens, idle.num_pending_decode_tokens) == (0, 0)
-    assert time.time() - idle.pending_at < 0.1
+    assert idle.pending_at >= asked_at > busy.pending_at  # stamped when asked, not at the last step

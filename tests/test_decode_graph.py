@@ -1,9 +1,10 @@
 """Steps through the compiled whole-forward graph (`compile_decode: true`), decodes and short
-steps with prefill chunks among them, give what the eager reference path gives, checked the
-way vLLM checks kernels against HF: greedy tokens equal, or at the first divergence each
-side's token within the other's top 5, with the logprobs of the agreed tokens close. The one graph (and the sampler's draw) is compiled
-while the engine is built, leaving no trace, and batches of one and of many then run on it
-without compiling."""
+steps with prefill chunks among them, give what the eager reference path gives, checked
+teacher-forced: one token sequence per prompt (the reference's greedy continuation) is
+scored on both paths, and at every position the two logprobs of its token are close and
+each side's best token is in the other's top 5. The one graph (and the sampler's draw) is
+compiled while the engine is built, leaving no trace, and batches of one and of many then
+run on it without compiling."""
 
 from __future__ import annotations
 
@@ -20,27 +21,44 @@ from engine.model.attention import decode_attention_with_own, write_kv
 from engine.kernels.cpu import cpu_features
 from engine.model.decode_graph import DecodeGraph, write_new_kv
 from engine.sampling.sampler import Sampler
-from tests.engine_helpers import mixed_prompts, record_steps
+from tests.engine_helpers import mixed_prompts, record_steps, teacher_forced
 
+GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 GREEDY_TOP5 = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=5)
 
 
-def assert_logprobs_close(fast, reference, atol: float) -> None:
-    for position, (ours, theirs) in enumerate(zip(fast.logprobs, reference.logprobs)):
-        if ours.token_id != theirs.token_id:
-            assert ours.token_id in dict(theirs.top) and theirs.token_id in dict(ours.top), f"diverged at {position}"
-            return
-        assert abs(ours.logprob - theirs.logprob) < atol, f"logprob at {position}"
+def greedy_scores(reference: LLM, prompts: list[list[int]]) -> tuple[list[list[int]], list[list]]:
+    """The reference's greedy continuations and their scores: greedy is teacher forcing on
+    its own best tokens, so these are the reference's teacher-forced scores of them."""
+    outputs = reference.generate(prompts, GREEDY_TOP5)
+    return [o.token_ids for o in outputs], [o.logprobs for o in outputs]
+
+
+def assert_scores_close(fast: LLM, prompts: list[list[int]], continuations: list[list[int]], expected: list[list],
+                        atol: float) -> None:
+    """The continuations scored teacher-forced on fast: at every position its logprob of the
+    token within atol of the expected (the reference's) and each side's best token in the
+    other's top 5."""
+    for index, (ours, theirs) in enumerate(zip(teacher_forced(fast, prompts, continuations), expected, strict=True)):
+        for position, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+            where = f"prompt {index}, position {position}"
+            assert a.token_id == b.token_id, where
+            assert abs(a.logprob - b.logprob) < atol, f"logprob at {where}: {a.logprob} vs {b.logprob}"
+            assert a.top[0][0] in dict(b.top) and b.top[0][0] in dict(a.top), f"best tokens apart at {where}"
+
+
+def assert_fast_scores_close(fast: LLM, reference: LLM, prompts: list[list[int]], atol: float) -> None:
+    """The reference's greedy continuations, scored teacher-forced on fast, close to the reference's scores."""
+    assert_scores_close(fast, prompts, *greedy_scores(reference, prompts), atol)
 
 
 def assert_alone_and_together_close(fast: LLM, reference: LLM, prompts: list[list[int]], atol: float) -> None:
-    """The first two prompts one at a time (a batch of one, one block then two), then all
-    together, greedy with top-5 logprobs: fast's within atol of reference's."""
-    def run(llm: LLM) -> list:
-        return [llm.generate([p], GREEDY_TOP5)[0] for p in prompts[:2]] + llm.generate(prompts, GREEDY_TOP5)
-
-    for ours, theirs in zip(run(fast), run(reference)):
-        assert_logprobs_close(ours, theirs, atol)
+    """The first two prompts one at a time on fast (a batch of one, one block then two), then
+    all together, scored teacher-forced: within atol of the reference's at every position."""
+    continuations, expected = greedy_scores(reference, prompts)
+    for i in range(2):
+        assert_scores_close(fast, prompts[i:i + 1], continuations[i:i + 1], expected[i:i + 1], atol)
+    assert_scores_close(fast, prompts, continuations, expected, atol)
 
 
 def num_compiled_graphs() -> int:
@@ -143,10 +161,8 @@ def test_steps_with_short_prefill_chunks_take_the_graph_and_match_the_reference_
     reference = LLM(str(tiny_gpt2_dir), linears="reference", **config, compile_decode=False)
     prompts = mixed_prompts(12)  # 1 to 120 tokens
     prompts.append(prompts[7][:96] + [11, 12, 13])  # shares six blocks with the 120-token prompt
-    ours = fast.generate(prompts[:12], GREEDY_TOP5) + fast.generate(prompts[12:], GREEDY_TOP5)
-    expected = reference.generate(prompts[:12], GREEDY_TOP5) + reference.generate(prompts[12:], GREEDY_TOP5)
-    for fast_output, reference_output in zip(ours, expected):
-        assert_logprobs_close(fast_output, reference_output, atol=1e-3)
+    assert_fast_scores_close(fast, reference, prompts[:12], atol=1e-3)
+    assert_fast_scores_close(fast, reference, prompts[12:], atol=1e-3)  # after its cached prefix
     assert fast.engine.runner.decode_graph.num_steps == len(steps)  # every step took the graph
     assert any(1 in step and max(step) > 1 for step in steps)  # decodes beside a chunk among them
     assert all(sum(step) <= 40 for step in steps)  # so the 48- to 120-token prompts went in chunks
@@ -172,10 +188,8 @@ def test_by_default_a_wave_of_prompts_takes_the_graph_in_steps_of_up_to_128_toke
     compiled = num_compiled_graphs()
     steps = record_steps(fast.engine)
     prompts = mixed_prompts(12)  # 406 tokens in all
-    ours = fast.generate(prompts, GREEDY_TOP5)
-    expected = LLM(str(tiny_gpt2_dir), linears=reference_linears, **config, compile_decode=False).generate(prompts, GREEDY_TOP5)
-    for fast_output, reference_output in zip(ours, expected):
-        assert_logprobs_close(fast_output, reference_output, atol)
+    reference = LLM(str(tiny_gpt2_dir), linears=reference_linears, **config, compile_decode=False)
+    assert_fast_scores_close(fast, reference, prompts, atol)
     assert fast.engine.runner.decode_graph.num_steps == len(steps)  # every step took the graph
     assert any(sum(step) > 64 for step in steps) and all(sum(step) <= 128 for step in steps)
     assert num_compiled_graphs() == compiled
@@ -210,12 +224,12 @@ def test_one_thread_steps_take_the_one_graph_compiled_with_the_engine(tiny_gpt2_
     graphs = num_compiled_graphs()
     steps = record_steps(fast.engine)
     prompt = mixed_prompts(3)[2]  # 7 tokens, then 15 one-token decodes
-    ours = fast.generate([prompt], GREEDY_TOP5)
+    fast.generate([prompt], GREEDY)
     assert torch.get_num_threads() == 1  # the decodes ran on one thread
     assert fast.engine.runner.decode_graph.num_steps == len(steps) == 16
     assert num_compiled_graphs() == graphs
     reference = LLM(str(tiny_gpt2_dir), weights="pretrained", dtype="float32", device="cpu", linears="reference", compile_decode=False)
-    assert_logprobs_close(ours[0], reference.generate([prompt], GREEDY_TOP5)[0], atol=1e-3)
+    assert_fast_scores_close(fast, reference, [prompt], atol=1e-3)
 
 
 def test_a_step_past_graph_prefill_tokens_runs_eagerly(tiny_gpt2_dir):
@@ -223,8 +237,8 @@ def test_a_step_past_graph_prefill_tokens_runs_eagerly(tiny_gpt2_dir):
                graph_prefill_tokens=16)
     steps = record_steps(fast.engine)
     prompts = mixed_prompts(4)  # 1, 3, 7 and 16 tokens
-    fast.generate([prompts[3]], GREEDY_TOP5)  # 16 tokens: the graph
-    fast.generate([[5] + prompts[3]], GREEDY_TOP5)  # 17, none cached: eager
+    fast.generate([prompts[3]], GREEDY)  # 16 tokens: the graph
+    fast.generate([[5] + prompts[3]], GREEDY)  # 17, none cached: eager
     assert steps[0] == [16] and steps[16] == [17]
     assert fast.engine.runner.decode_graph.num_steps == len(steps) - 1  # all but the 17-token prefill
     with pytest.raises(ValueError, match="graph_prefill_tokens must be an integer >= 0"):
@@ -243,8 +257,8 @@ def test_a_graph_that_cannot_compile_leaves_decode_steps_eager(tiny_gpt2_dir, mo
     assert fast.engine.scheduler.max_num_batched_tokens == 512  # the budget of eager steps
     reference = LLM(str(tiny_gpt2_dir), weights="pretrained", dtype="float32", device="cpu", linears="reference", compile_decode=False)
     prompts = mixed_prompts(3)
-    assert [o.token_ids for o in fast.generate(prompts, GREEDY_TOP5)] == \
-        [o.token_ids for o in reference.generate(prompts, GREEDY_TOP5)]
+    assert [o.token_ids for o in fast.generate(prompts, GREEDY)] == \
+        [o.token_ids for o in reference.generate(prompts, GREEDY)]
 
 
 def test_a_draw_that_cannot_compile_runs_eagerly_beside_the_graph(tiny_gpt2_dir, monkeypatch, caplog):
@@ -263,7 +277,7 @@ def test_a_draw_that_cannot_compile_runs_eagerly_beside_the_graph(tiny_gpt2_dir,
     reference = LLM(str(tiny_gpt2_dir), **config, compile_decode=False)
     prompts = mixed_prompts(3)
     sampled = SamplingParams(max_tokens=8, temperature=0.8, seed=1, ignore_eos=True)
-    for params in (GREEDY_TOP5, sampled):
+    for params in (GREEDY, sampled):
         assert [o.token_ids for o in fast.generate(prompts, params)] == \
             [o.token_ids for o in reference.generate(prompts, params)]
     assert fast.engine.runner.decode_graph.num_steps > 0

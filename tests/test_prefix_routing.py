@@ -15,7 +15,7 @@ from deployments.routing.prefix_routing import (
     Choice, block_hashes, choose, choose_by_work, load_bound, prefix_key, rendezvous_order, request_work,
 )
 from deployments.routing.cache_shadow import CacheShadow
-from deployments.routing.engine_load import LOAD_LOG_DIR_ENV, LoadLog, read_load_logs
+from deployments.replicas.hooks import LoadLog, read_load_logs
 from deployments.routing.router import request_load
 from engine.core.block_manager import BlockManager
 from engine.request.sampling_params import SamplingParams
@@ -315,9 +315,8 @@ def test_arrival_loads_in_work_count_a_replica_past_the_bound_where_a_miss_elsew
     assert loads.busiest_over_mean == (288 + 320 + 320) / (144 + 160 + 304)
 
 
-def test_a_load_log_records_what_each_request_asks_of_its_replica(tmp_path, monkeypatch):
-    monkeypatch.setenv(LOAD_LOG_DIR_ENV, str(tmp_path))
-    log = LoadLog("r1", BLOCK, num_kv_blocks=64)
+def test_a_load_log_records_what_each_request_asks_of_its_replica(tmp_path):
+    log = LoadLog(tmp_path, "r1", BLOCK, num_kv_blocks=64)
     prefix = list(range(16 * BLOCK))
     log.arrived("x", prefix + list(range(900, 916)), max_tokens=16)
     log.arrived("y", prefix + list(range(800, 816)), max_tokens=8)  # its prefix was sent here: likely cached

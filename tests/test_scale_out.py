@@ -26,7 +26,7 @@ import ray
 from ray import serve
 
 from deployments.app import make_app
-from deployments.routing.engine_load import LOAD_LOG_DIR_ENV, read_load_logs
+from deployments.replicas.hooks import LOAD_LOG_DIR_ENV, read_load_logs
 from deployments.routing.prefix_routing import prefix_key, rendezvous_order
 from engine import SamplingParams
 from loadtest.scale.load_balance import arrival_loads

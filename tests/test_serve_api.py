@@ -166,7 +166,7 @@ def test_sixteen_concurrent_streams_all_complete(base_url: str) -> None:
     assert asyncio.run(main()) == [(16, "[DONE]")] * 16
 
 
-def test_the_tokenizer_deployment_serves_from_two_replicas(gpt2_tokenizer) -> None:
+def test_the_tokenizer_deployment_serves_from_two_replicas(base_url: str, gpt2_tokenizer) -> None:
     status = serve.status().applications[APP].deployments["TokenizerDeployment"]
     assert status.replica_states == {"RUNNING": 2}
     # Enough concurrent calls that both replicas and their batches are exercised.

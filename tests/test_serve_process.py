@@ -40,10 +40,8 @@ def test_stop_sends_ctrl_c_and_returns_once_the_process_exits() -> None:
     process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
                                preexec_fn=serve_process.restore_sigint)
     time.sleep(0.5)  # past the interpreter's start, so that SIGINT raises KeyboardInterrupt
-    started = time.monotonic()
     serve_process.stop(process, timeout_s=30)
-    assert time.monotonic() - started < 10
-    assert process.returncode == -signal.SIGINT  # it died of the Ctrl-C, not of a SIGKILL
+    assert process.returncode == -signal.SIGINT  # it died of the Ctrl-C, not of a SIGKILL after the time-out
 
 
 def test_stop_kills_a_process_deaf_to_ctrl_c_and_the_child_that_left_its_group() -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from collections.abc import AsyncIterator
 
 import psutil
@@ -21,13 +20,12 @@ from deployments.routing import chunk_budget
 from deployments.routing.chunk_budget import ChunkBudget
 from deployments.replicas.cpu_binding import ReplicaCores
 from deployments.api.engine_client import EngineStatus
-from deployments.routing.engine_load import EngineLoad, LoadLog
+from deployments.routing.engine_load import EngineLoad
+from deployments.replicas.hooks import ReplicaHooks
 from deployments.observability.logs import route_logs_to_serve
 from deployments.observability.metrics import EngineMetricsReporter
 from engine import AsyncEngine, EngineConfig, GenerationChunk, ModelInfo, SamplingParams
 
-
-FAULT_INJECTION_ENV = "RAYINFER_ENABLE_FAULT_INJECTION"  # "1" only in tests
 
 logger = logging.getLogger("ray.serve")  # the replica's log file
 
@@ -46,8 +44,8 @@ class EngineReplica:
         self._engine = AsyncEngine(config, max_chunks_per_s=chunks_per_s)
         self._metrics = EngineMetricsReporter(self._engine.stats, self._engine.drain_steps)
         self._num_requests = 0
-        self._load_log = LoadLog(serve.get_replica_context().replica_id.unique_id, config.block_size,
-                                 self._engine.stats().num_kv_blocks_total)
+        self._hooks = ReplicaHooks(serve.get_replica_context().replica_id.unique_id, config.block_size,
+                                   self._engine.stats().num_kv_blocks_total)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[GenerationChunk]:
@@ -56,13 +54,13 @@ class EngineReplica:
         Raises ValueError before the first chunk for a request that can never run.
         """
         self._num_requests += 1
-        self._load_log.arrived(request_id, prompt_token_ids, params.max_tokens)
+        self._hooks.arrived(request_id, prompt_token_ids, params.max_tokens)
         try:
             async with contextlib.aclosing(self._engine.generate(request_id, prompt_token_ids, params)) as chunks:
                 async for chunk in chunks:
                     yield chunk
         finally:
-            self._load_log.left(request_id)
+            self._hooks.left(request_id)
 
     def reconfigure(self, user_config: None, rank: ReplicaRank) -> None:
         """Serve calls this once the replica is up, and whenever it gives the replica a new
@@ -89,16 +87,10 @@ class EngineReplica:
         """Serve restarts the replica when this raises: the step loop has died."""
         self._engine.check_health()
 
-    async def check_integrity(self) -> None:
-        """Raises AssertionError if the KV pool's invariants fail (tests' leak checks)."""
-        await self._engine.check_integrity()
-
-    def inject_fault_for_tests(self) -> None:
-        """Crash the step loop at its next step, as a bug in the model would. Refused
-        unless the replica's environment has RAYINFER_ENABLE_FAULT_INJECTION=1."""
-        if os.environ.get(FAULT_INJECTION_ENV) != "1":
-            raise PermissionError(f"fault injection is off (set {FAULT_INJECTION_ENV}=1 in tests only)")
-        self._engine.inject_fault(RuntimeError("fault injected by a test"))
+    async def test_hook(self, name: str) -> None:
+        """Tests' door into the engine (deployments/replicas/hooks.py): refused unless the
+        replica's environment has RAYINFER_TEST_HOOKS=1."""
+        await self._hooks.call(self._engine, name)
 
     def __del__(self) -> None:
         self.stop_engine()

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import TypeVar
 
 import xgrammar as xgr
 
@@ -23,7 +24,7 @@ from engine.frontend.admission import check_waiting_bounds, has_waiting_bounds, 
 from engine.config import EngineConfig
 from engine.core.llm_engine import LLMEngine
 from engine.frontend.messages import (
-    AbortRequest, AddRequest, CheckIntegrity, EngineFailed, InjectFault, OutMessage, RequestRejected, StepOutputs,
+    AbortRequest, AddRequest, CallOnLoop, EngineFailed, OutMessage, RequestRejected, StepOutputs,
 )
 from engine.request.constraint import Constraint
 from engine.request.outputs import EngineDeadError, EngineStats, GenerationChunk, ModelInfo
@@ -32,6 +33,8 @@ from engine.frontend.request_stream import RequestStream, min_tokens_per_chunk
 from engine.request.sampling_params import SamplingParams
 from engine.core.step_log import StepRecord
 from engine.frontend.step_loop import StepLoop
+
+T = TypeVar("T")
 
 
 class AsyncEngine:
@@ -112,17 +115,13 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self.step_loop.send(AbortRequest(request_id))
 
-    def inject_fault(self, error: BaseException) -> None:
-        """Crash the step loop at its next step with `error`, as a bug in the model would
-        (fault-injection tests)."""
-        self.step_loop.send(InjectFault(error))
-
-    async def check_integrity(self) -> None:
-        """Assert the KV pool's invariants, on the loop thread between two steps (tests)."""
+    async def call_on_loop(self, fn: Callable[[LLMEngine], T]) -> T:
+        """fn(engine) on the step loop's thread, between two steps, and its result: how tests
+        and benchmarks look inside a running engine (its KV pool's integrity) or break it."""
         self.check_health()  # a dead loop would never answer
         done: concurrent.futures.Future = concurrent.futures.Future()
-        self.step_loop.send(CheckIntegrity(done))
-        await asyncio.wrap_future(done)
+        self.step_loop.send(CallOnLoop(fn, done))
+        return await asyncio.wrap_future(done)
 
     def shutdown(self, timeout: float = 5.0) -> None:
         self.step_loop.stop(timeout)

@@ -1,7 +1,6 @@
 """Messages into and out of the step loop thread (engine/frontend/step_loop.py).
 
-In, from any thread through the inbox: AddRequest, AbortRequest, InjectFault, CheckIntegrity,
-GraphCompiled.
+In, from any thread through the inbox: AddRequest, AbortRequest, CallOnLoop, GraphCompiled.
 Out, called on the event loop of the request(s) they concern: StepOutputs,
 RequestRejected, EngineFailed.
 """
@@ -10,14 +9,17 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from engine.request.outputs import EngineDeadError, StepOutput
 from engine.request.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     import xgrammar as xgr
+
+    from engine.core.llm_engine import LLMEngine
 
 
 @dataclass(frozen=True)
@@ -35,18 +37,12 @@ class AbortRequest:
 
 
 @dataclass(frozen=True)
-class InjectFault:
-    """For fault-injection tests: the loop raises `error` at its next step, as a bug in the
-    model would."""
+class CallOnLoop:
+    """Call `fn(engine)` on the loop thread, between two steps; `done` gets its result or its
+    exception. The door tests and benchmarks look inside a running engine through
+    (deployments/replicas/hooks.py); nothing in service sends it."""
 
-    error: BaseException
-
-
-@dataclass(frozen=True)
-class CheckIntegrity:
-    """Run LLMEngine.check_integrity on the loop thread, between steps; `done` gets None or
-    the AssertionError."""
-
+    fn: Callable[[LLMEngine], Any]
     done: concurrent.futures.Future
 
 
@@ -56,7 +52,7 @@ class GraphCompiled:
     even when none runs until the next request (the log then says when it happened)."""
 
 
-InMessage = AddRequest | AbortRequest | InjectFault | CheckIntegrity | GraphCompiled
+InMessage = AddRequest | AbortRequest | CallOnLoop | GraphCompiled
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from engine.core.heap import trim_heap
 from engine.frontend.inbox import Inbox
 from engine.core.llm_engine import LLMEngine
 from engine.frontend.messages import (
-    AbortRequest, AddRequest, CheckIntegrity, EngineFailed, GraphCompiled, InjectFault, InMessage, OutMessage,
+    AbortRequest, AddRequest, CallOnLoop, EngineFailed, GraphCompiled, InMessage, OutMessage,
     RequestRejected, StepOutputs,
 )
 from engine.request.outputs import EngineDeadError, EngineStats, StepOutput
@@ -60,7 +60,6 @@ class StepLoop:
         self.step_rate = StepRate()
         self._inbox = Inbox()
         self._loops: dict[str, asyncio.AbstractEventLoop] = {}  # loop thread only
-        self._fault: BaseException | None = None
         self._is_heap_trimmed = False
         self._start_thread()
 
@@ -116,8 +115,6 @@ class StepLoop:
                 self.step_rate.pause()
 
     def _step(self) -> list[StepOutput]:
-        if self._fault is not None:
-            raise self._fault
         return self.engine.step()
 
     def _wait_for_work(self) -> bool:
@@ -155,15 +152,12 @@ class StepLoop:
             case AbortRequest(request_id):
                 self.engine.abort_request(request_id)
                 self._loops.pop(request_id, None)
-            case InjectFault(error):
-                self._fault = error
             case GraphCompiled():
                 self.engine.take_compiled_graph()
-            case CheckIntegrity(done):
+            case CallOnLoop(fn, done):
                 try:
-                    self.engine.check_integrity()
-                    done.set_result(None)
-                except AssertionError as exc:
+                    done.set_result(fn(self.engine))
+                except Exception as exc:  # noqa: BLE001 - the caller's, handed back to it
                     done.set_exception(exc)
 
     def _publish(self, outputs: list[StepOutput]) -> None:

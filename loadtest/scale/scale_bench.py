@@ -35,7 +35,7 @@ from ray import serve
 
 from deployments.app import make_app
 from loadtest.client.http_target import Target
-from deployments.routing.engine_load import LOAD_LOG_DIR_ENV, read_load_logs
+from deployments.replicas.hooks import LOAD_LOG_DIR_ENV, read_load_logs
 from deployments.routing.router import PrefixAffinityRouter
 from loadtest.scale.load_balance import ArrivalLoads, arrival_loads
 from loadtest.client.machine import machine_line, utc_now
