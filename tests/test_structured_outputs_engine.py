@@ -181,3 +181,15 @@ def test_the_async_front_compiles_off_the_step_loop_and_refuses_what_does_not_co
 
 async def _generate(engine: AsyncEngine, request_id: str, params: SamplingParams) -> list:
     return [chunk async for chunk in engine.generate(request_id, [1, 2, 3], params)]
+
+
+def test_json_strings_never_take_a_raw_control_character(llm, gpt2_tokenizer):
+    # xgrammar's strings with a maxLength allow bytes below 0x20, which JSON (and json.loads) forbids.
+    control = gpt2_tokenizer.convert_tokens_to_ids("\u0114")  # GPT-2's byte-level token for b"\x14"
+    state = llm.engine.grammars.state(CONSTRAINTS["json_schema"])
+    assert all(state.accept(token) for token in gpt2_tokenizer.encode('{"name": "ab'))
+    bitmask = xgr.allocate_token_bitmask(1, 50257)
+    state.matcher.fill_next_token_bitmask(bitmask, 0)
+    allowed_by_xgrammar = bool(bitmask[0, control // 32] >> (control % 32) & 1)
+    state.fill(bitmask, 0)
+    assert allowed_by_xgrammar and not bitmask[0, control // 32] >> (control % 32) & 1

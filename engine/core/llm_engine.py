@@ -104,7 +104,7 @@ class LLMEngine:
         if params.seed is not None:
             seq.generator = torch.Generator(device=self.config.torch_device).manual_seed(params.seed)
         if params.constraint is not None:
-            seq.matcher = xgr.GrammarMatcher(grammar or self.grammars.compile(params.constraint))
+            seq.grammar = self.grammars.state(params.constraint, grammar)
             self._num_constrained_requests += 1
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
@@ -187,7 +187,7 @@ class LLMEngine:
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         if token in seq.stop_token_ids:
             return "stop"
-        if seq.matcher is not None and seq.matcher.is_terminated():  # its end, EOS, drawn under ignore_eos
+        if seq.grammar is not None and seq.grammar.is_terminated:  # its end, EOS, drawn under ignore_eos
             return "stop"
         if seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"

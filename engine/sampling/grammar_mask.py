@@ -1,12 +1,13 @@
 """One step's token bitmask for the rows whose requests are constrained (structured outputs).
 
-Each constrained sequence's GrammarMatcher fills its row of a packed bitmask (one bit per
-vocabulary entry: may this token come next?), and the sampler sets every other token's
-logit to -inf in those rows before penalties, temperature and the draw, so greedy and
-sampled rows alike only ever draw a token the grammar allows. Free rows are not touched.
-The matcher moves on as each sampled token is appended (LLMEngine), and only then: a
-sequence preempted by recompute keeps its tokens and its matcher, so prefilling them again
-(as a prefix-cache hit or in chunks) samples nothing and moves nothing.
+Each constrained sequence's grammar state (engine/sampling/grammar.py) fills its row of a
+packed bitmask (one bit per vocabulary entry: may this token come next?), and the sampler
+sets every other token's logit to -inf in those rows before penalties, temperature and the
+draw, so greedy and sampled rows alike only ever draw a token the grammar allows. Free rows
+are not touched. The state moves on as each sampled token is appended
+(Sequence.append_token), and only then: a sequence preempted by recompute keeps its tokens
+and its state, so prefilling them again (as a prefix-cache hit or in chunks) samples
+nothing and moves nothing.
 """
 
 from __future__ import annotations
@@ -31,13 +32,13 @@ class GrammarMask:
     @classmethod
     def of(cls, seqs: list[Sequence], vocab_size: int) -> GrammarMask | None:
         """None when no row is constrained: the sampler then skips this work."""
-        rows = [row for row, seq in enumerate(seqs) if seq.matcher is not None]
+        rows = [row for row, seq in enumerate(seqs) if seq.grammar is not None]
         if not rows:
             return None
         started = time.perf_counter()
         bitmask = xgr.allocate_token_bitmask(len(seqs), vocab_size)
         for row in rows:
-            seqs[row].matcher.fill_next_token_bitmask(bitmask, row)
+            seqs[row].grammar.fill(bitmask, row)
         return cls(rows, bitmask, time.perf_counter() - started)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
