@@ -4,6 +4,13 @@
     python -m loadtest.engine_bench --num-requests 32 --prompt-len 16 --max-tokens 64 --dtype bfloat16
     python -m loadtest.engine_bench --device cuda --skip-hf --cuda-graphs false   # vs true, vs --compile-decode false
     python -m loadtest.engine_bench --vllm /tmp/gpt2-random   # and vLLM's CPU build offline, on the same prompts
+    python -m loadtest.engine_bench --structured --max-num-seqs 16 --skip-hf   # structured outputs, 16 streams
+
+--structured runs a mix of JSON-schema, JSON-object, regex and choice requests
+(loadtest/client/structured_requests.py), sampled at temperature 1 with a seed each, then the
+same requests unconstrained, and prints for each: the share that ended by itself, the share of
+those that are valid, and tokens/s; grammars are compiled in a warm-up first (the compile time
+is printed apart).
 
 --vllm runs vLLM's `LLM.generate` on a checkpoint directory of the same architecture (its own
 venv: loadtest/peers/vllm_peer.py), greedy, after the engine and HF, in the engine's dtype.
@@ -15,6 +22,7 @@ Prints tokens/s for both and the engine's single-request decode latency per toke
 from __future__ import annotations
 
 import argparse
+import itertools
 import time
 from dataclasses import dataclass
 
@@ -23,9 +31,10 @@ from transformers import GPT2LMHeadModel
 
 from engine.config import EngineConfig
 from engine.core.llm_engine import LLMEngine, build_model
-from engine.model.loader import resolve_model
 from engine.model.gpt2 import CONV1D_WEIGHTS, hf_to_own_name
+from engine.model.loader import load_tokenizer, resolve_model
 from engine.request.sampling_params import SamplingParams
+from loadtest.client.structured_requests import StructuredRequest, StructuredTally, structured_mix
 
 
 @dataclass
@@ -92,7 +101,7 @@ def run_hf(model: GPT2LMHeadModel, prompts: list[list[int]], max_tokens: int) ->
     return Result("HF generate (static batch)", num_tokens, time.perf_counter() - start)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="gpt2")
     parser.add_argument("--dtype", default="auto")
@@ -107,8 +116,14 @@ def main() -> None:
                         help="decode steps replayed from CUDA graphs (EngineConfig.cuda_graphs; auto: on CUDA)")
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--vllm", metavar="CHECKPOINT_DIR", help="also vLLM's CPU build offline, on this checkpoint")
-    args = parser.parse_args()
+    parser.add_argument("--structured", action="store_true",
+                        help="structured output requests, constrained and not (no HF or vLLM run)")
+    return parser.parse_args()
 
+
+
+def main() -> None:
+    args = parse_args()
     config = EngineConfig(model=args.model, weights="random", dtype=args.dtype, device=args.device,
                           max_num_seqs=args.max_num_seqs, compile_decode=_flag(args.compile_decode),
                           cuda_graphs=_flag(args.cuda_graphs))
@@ -117,6 +132,8 @@ def main() -> None:
     run_engine(engine, prompts[:4], 4)  # warm-up
     print(f"model={args.model} dtype={config.torch_dtype} device={config.torch_device} threads={torch.get_num_threads()} "
           f"compile_decode={engine.runner.decode_graph is not None} cuda_graphs={config.decode_graphed} requests={args.num_requests} prompt_len={args.prompt_len} max_tokens={args.max_tokens}")
+    if args.structured:
+        return structured_bench(engine, prompts, args.max_tokens)
     results = [run_engine(engine, prompts, args.max_tokens)]
     single = decode_ms_per_token(engine, prompts[0], args.max_tokens)
     if not args.skip_hf:
@@ -130,6 +147,46 @@ def main() -> None:
     for r in results[1:]:
         print(f"rayinfer vs {r.name}: {results[0].tokens_per_s / r.tokens_per_s:.2f}x")
     print(f"single-request decode: {single:.2f} ms/token")
+
+
+def structured_bench(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> None:
+    """The mix constrained, then the same requests unconstrained, each run to the length its
+    constrained twin reached (EOS ignored): the same tokens, with and without the masks."""
+    requests = structured_mix(len(prompts))
+    run_structured(engine, prompts[:8], requests[:8], [max_tokens] * 8)  # compiles the grammars
+    stats = engine.stats()
+    print(f"{stats.num_grammar_compiles} grammars compiled in {stats.grammar_compile_s * 1000:.1f} ms")
+    constrained, lengths = run_structured(engine, prompts, requests, [max_tokens] * len(prompts))
+    free, _ = run_structured(engine, prompts, requests, lengths, constrained=False)
+    print(constrained.line())
+    print(free.line())
+    print(f"constrained vs unconstrained tok/s: {constrained.tokens_per_s / free.tokens_per_s:.2f}x")
+
+
+def run_structured(engine: LLMEngine, prompts: list[list[int]], requests: list[StructuredRequest],
+                   max_tokens: list[int], constrained: bool = True) -> tuple[StructuredTally, list[int]]:
+    """The requests at temperature 1, seeded, all at once (max_num_seqs of them running); the
+    tally and each request's output length."""
+    tokenizer = load_tokenizer(engine.config.model)
+    ids = [f"structured-{time.monotonic_ns()}-{i}" for i in range(len(requests))]
+    for request_id, prompt, request, limit, seed in zip(ids, prompts, requests, max_tokens, itertools.count()):
+        engine.add_request(request_id, prompt, SamplingParams(
+            max_tokens=limit, temperature=1.0, seed=seed, ignore_eos=not constrained,
+            constraint=request.constraint if constrained else None))
+    tokens: dict[str, list[int]] = {request_id: [] for request_id in ids}
+    ended: set[str] = set()
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens[out.request_id].append(out.token_id)
+            if out.finish_reason == "stop":
+                ended.add(out.request_id)
+    seconds = time.perf_counter() - start
+    valid = [r.is_valid(tokenizer.decode(tokens[i], skip_special_tokens=True))
+             for i, r in zip(ids, requests) if i in ended]
+    name = "constrained" if constrained else "the same lengths, unconstrained"
+    tally = StructuredTally(name, len(requests), len(ended), sum(valid), sum(map(len, tokens.values())), seconds)
+    return tally, [len(tokens[i]) for i in ids]
 
 
 def run_vllm(model_dir: str, prompts: list[list[int]], max_tokens: int, dtype: str) -> Result:

@@ -48,6 +48,8 @@ def rows(checkpoint: str, tiny_checkpoint: str, venvs: str) -> list[Row]:
     return [
         Row("engine", "bf16-vs-hf-and-vllm", [*engine_bench, "--vllm", checkpoint], needs="vllm"),
         Row("engine", "avx2-vs-hf", engine_bench, env=CAPS),
+        Row("engine", "structured", [PY, "-m", "loadtest.engine_bench", "--structured", "--num-requests", "64",
+                                     "--max-num-seqs", "16", "--prompt-len", "16", "--max-tokens", "64", "--skip-hf"]),
         Row("http", "vs-vllm", peer_table, needs="vllm"),
         Row("http", "vs-vllm-avx2", [*peer_table, "--dtype", "float32"], env=CAPS, needs="vllm"),
         Row("scale", "shared", [*scale, "--workload", "shared", "--num-requests", "192", "--num-prefixes", "24",

@@ -15,6 +15,7 @@ from pydantic.fields import FieldInfo
 
 from deployments.api.encoding import ChatMessage, EncodeRequest, apply_chat_template
 from deployments.api.errors import ApiError
+from deployments.api.structured_outputs import StructuredOutputFields
 from deployments.api.unsupported import NO_CHAT_TEMPLATE, NO_TOOLS, ChatRefusals, CompletionRefusals, refused
 from engine import SamplingParams
 from engine.request.sampling_params import nth_seed
@@ -49,9 +50,10 @@ Logprobs = Annotated[int, within(limits.LOGPROBS)]
 TokenIdKey = Annotated[str, Field(pattern=r"^(0|[1-9][0-9]{0,18})$")]
 
 
-class SamplingBody(_Body):
+class SamplingBody(StructuredOutputFields):
     """What completions and chat share: everything but the prompt, its length limit and
-    the logprobs fields (whose shapes differ)."""
+    the logprobs fields (whose shapes differ). Structured outputs' fields:
+    deployments/api/structured_outputs.py."""
 
     model: str | None = None
     temperature: Annotated[float, within(limits.TEMPERATURE)] | None = None  # None: 1
@@ -94,6 +96,9 @@ class SamplingBody(_Body):
         """The rules across fields, each a 400 naming the field."""
         if self.stream_options is not None and not self.stream:
             raise ApiError(400, "stream_options: only allowed with stream true", param="stream_options")
+        if self.constraint is not None and self.min_tokens:
+            raise ApiError(400, f"min_tokens: must be 0 with structured outputs ({self.constraint.param}): "
+                                "the constraint says where the output ends", param="min_tokens")
 
     def sampling_params(self, max_tokens: int, index: int, logprobs: int | None = None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
@@ -106,7 +111,7 @@ class SamplingBody(_Body):
             min_tokens=self.min_tokens, presence_penalty=_or(self.presence_penalty, 0.0),
             frequency_penalty=_or(self.frequency_penalty, 0.0), repetition_penalty=_or(self.repetition_penalty, 1.0),
             logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
-            logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs, constraint=self.constraint)
 
 
 def _or(value, default):

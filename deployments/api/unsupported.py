@@ -28,7 +28,6 @@ def refused(reason: str, *no_ops: Any) -> Any:
 
 
 NO_TOOLS = "GPT-2 has no tool calling"
-NO_STRUCTURED = "no structured output or guided decoding"
 NO_MULTIMODAL = "text only"
 NO_CHAT_TEMPLATE = "GPT-2 has no chat template; rayinfer's fixed one is in docs/api.md"
 NO_BEAM = "no beam search"
@@ -46,12 +45,6 @@ class CompletionRefusals(BaseModel):
     truncation_side: refused("prompts are never truncated: an over-long one is a 400") = None
     allowed_token_ids: refused("use logit_bias") = None
     bad_words: refused("use logit_bias", []) = None
-    response_format: refused(NO_STRUCTURED, {"type": "text"}) = None
-    structured_outputs: refused(NO_STRUCTURED) = None
-    guided_json: refused(NO_STRUCTURED) = None
-    guided_regex: refused(NO_STRUCTURED) = None
-    guided_choice: refused(NO_STRUCTURED) = None
-    guided_grammar: refused(NO_STRUCTURED) = None
     prompt_logprobs: refused("use echo with logprobs: the prompt's logprobs in the choice's logprobs") = None
     logprob_token_ids: refused("logprobs are the top-k only") = None
     return_tokens_as_token_ids: refused("tokens are returned as text", False) = None

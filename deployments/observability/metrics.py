@@ -90,7 +90,17 @@ class EngineMetrics:
                                    boundaries=_STEP_BUCKETS_S, tag_keys=("kind",))
         self.step_tokens = Histogram("rayinfer_iteration_tokens", "Tokens computed per engine step.",
                                      boundaries=_STEP_TOKEN_BUCKETS)
+        self.constrained = Counter("rayinfer_constrained_requests",
+                                   "Requests with a structured output constraint (JSON schema, regex, choice, grammar).")
+        self.grammar_compiles = Counter("rayinfer_grammar_compiles",
+                                        "Structured output grammars compiled (constraints not in the replica's cache).")
+        self.grammar_compile_time = Counter("rayinfer_grammar_compile_seconds",
+                                            "Time spent compiling structured output grammars, in total.")
+        self.mask_time = Histogram("rayinfer_grammar_mask_seconds",
+                                   "Time per engine step filling and applying structured output token masks "
+                                   "(steps with a constrained row only).", boundaries=_STEP_BUCKETS_S)
         self._last_preemptions = 0
+        self._structured_totals: tuple[float, ...] = (0, 0, 0.0)  # as last counted
 
     def update(self, stats: EngineStats) -> None:
         self.running.set(stats.num_running)
@@ -102,11 +112,23 @@ class EngineMetrics:
         if stats.num_preemptions > self._last_preemptions:
             self.preemptions.inc(stats.num_preemptions - self._last_preemptions)
             self._last_preemptions = stats.num_preemptions
+        self._count_structured(stats)
+
+    def _count_structured(self, stats: EngineStats) -> None:
+        """The structured output totals' growth since the last sample."""
+        totals = (stats.num_constrained_requests, stats.num_grammar_compiles, stats.grammar_compile_s)
+        counters = (self.constrained, self.grammar_compiles, self.grammar_compile_time)
+        for counter, now, before in zip(counters, totals, self._structured_totals):
+            if now > before:
+                counter.inc(now - before)
+        self._structured_totals = totals
 
     def record_steps(self, steps: list[StepRecord]) -> None:
         for step in steps:
             self.step_time.observe(step.duration_s, tags={"kind": step.kind})
             self.step_tokens.observe(step.num_tokens)
+            if step.mask_s is not None:
+                self.mask_time.observe(step.mask_s)
 
 
 class RouterMetrics:

@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable
 
 import torch
+import xgrammar as xgr
 
 from engine.core.block_manager import BlockManager
 from engine.config import EngineConfig, LinearsMode
@@ -27,6 +28,7 @@ from engine.request.outputs import EngineStats, ModelInfo, StepOutput
 from engine.request.request_rules import (
     check_context, check_kv_blocks, check_params, check_prompt, check_request_id_free, check_scheduling,
 )
+from engine.sampling.grammar import GrammarCache
 from engine.sampling.sampler import Sampler, SamplingBatch
 from engine.request.sampling_params import SamplingParams
 from engine.request.scheduling import Scheduling
@@ -77,8 +79,9 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, step_tokens, config.scheduling_policy)
         self._seqs: dict[str, Sequence] = {}
         self.step_log = StepLog()  # the replica's metrics drain it
-        self._num_prompt_tokens = 0
-        self._num_generated_tokens = 0
+        self._num_prompt_tokens = self._num_generated_tokens = self._num_constrained_requests = 0
+        # Structured outputs' grammars; any thread may compile (AsyncEngine does, off the step loop).
+        self.grammars = GrammarCache(config.model, hf.vocab_size, self.eos_token_id)
         logger.info("engine ready: %s (%s weights, %s, %s), %d KV blocks of %d tokens",
                     config.model, source.weights, self.model_info.dtype, self.model_info.device,
                     num_blocks, config.block_size)
@@ -95,13 +98,18 @@ class LLMEngine:
         SamplingBatch.from_params([params], [None], self.model_info.vocab_size, torch.device("cpu"))
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    scheduling: Scheduling = Scheduling()) -> None:
+                    scheduling: Scheduling = Scheduling(), grammar: xgr.CompiledGrammar | None = None) -> None:
+        """grammar: params.constraint's, compiled already (by AsyncEngine, off this thread);
+        None compiles it here (self.grammars caches it)."""
         check_request_id_free(request_id, self._seqs)
         check_scheduling(scheduling, self.model_info.priority_range)
         self.validate_request(prompt_token_ids, params)
         seq = Sequence(request_id, prompt_token_ids, params, self.config.block_size, self.eos_token_id, scheduling)
         if params.seed is not None:
             seq.generator = torch.Generator(device=self.config.torch_device).manual_seed(params.seed)
+        if params.constraint is not None:
+            seq.grammar = self.grammars.state(params.constraint, grammar)
+            self._num_constrained_requests += 1
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
 
@@ -135,8 +143,10 @@ class LLMEngine:
             return []
         num_tokens = sum(batch.num_new_tokens)
         self.step_threads.for_step(num_tokens)
-        outputs = self._postprocess(batch, self.runner.run(batch))
-        self.step_log.append(StepRecord(time.perf_counter() - started, num_tokens, batch.num_prompt_tokens))
+        output = self.runner.run(batch)
+        outputs = self._postprocess(batch, output)
+        self.step_log.append(StepRecord(time.perf_counter() - started, num_tokens, batch.num_prompt_tokens,
+                                        output.mask_s))
         return outputs
 
     def _postprocess(self, batch: ScheduledBatch, output: ModelOutput) -> list[StepOutput]:
@@ -181,6 +191,8 @@ class LLMEngine:
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         if token in seq.stop_token_ids:
             return "stop"
+        if seq.grammar is not None and seq.grammar.is_terminated:  # its end, EOS, drawn under ignore_eos
+            return "stop"
         if seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
         return None
@@ -190,7 +202,7 @@ class LLMEngine:
         del self._seqs[seq.request_id]
 
     def stats(self) -> EngineStats:
-        bm, seqs = self.block_manager, self._seqs.values()
+        bm, seqs, compiles = self.block_manager, self._seqs.values(), self.grammars.stats()
         return EngineStats(
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             num_kv_blocks_used=bm.num_used_blocks, num_kv_blocks_total=bm.num_blocks,
@@ -199,6 +211,8 @@ class LLMEngine:
             num_prefix_queried_tokens=bm.num_prefix_queried_tokens, num_prefix_hit_tokens=bm.num_prefix_hit_tokens,
             num_pending_prompt_tokens=sum(max(s.num_prompt_tokens - s.num_computed_tokens, 0) for s in seqs),
             num_pending_decode_tokens=sum(s.params.max_tokens - s.num_output_tokens for s in seqs),
+            num_constrained_requests=self._num_constrained_requests,
+            num_grammar_compiles=compiles.num_compiles, grammar_compile_s=compiles.compile_s,
             taken_at=time.time(),
         )
 

@@ -11,6 +11,7 @@ import engine.core.kv_pool as kv_pool
 from engine.model.attention import AttentionGroup, AttentionMetadata
 from engine.model.cuda_graphs import CudaGraphDecode
 from engine.model.decode_graph import DecodeGraph, layer_caches
+from engine.sampling.grammar_mask import GrammarMask
 from engine.sampling.logits_controls import LogitsControls
 from engine.sampling.logprobs import PromptScoring, TokenLogprob, token_logprobs
 from engine.model.gpt2 import GPT2LMHead
@@ -28,6 +29,7 @@ class ModelOutput:
     token_ids: list[int]
     logprobs: list[TokenLogprob | None]
     prompt_logprobs: list[tuple[Sequence, list[TokenLogprob]]] = field(default_factory=list)
+    mask_s: float | None = None  # structured outputs' masks, where a row had one
 
 
 def _samples(seq: Sequence, num_new: int) -> bool:
@@ -107,7 +109,8 @@ class ModelRunner:
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor, greedy: torch.Tensor | None) -> ModelOutput:
         if not seqs:
             return ModelOutput([], [], [])
-        tokens = self.sampler(logits, self._sampling_batch(seqs), greedy)
+        batch = self._sampling_batch(seqs)
+        tokens = self.sampler(logits, batch, greedy)
         rows = [row for row, s in enumerate(seqs) if s.params.logprobs is not None]
         logprobs: list[TokenLogprob | None] = [None] * len(seqs)
         if rows:
@@ -115,7 +118,7 @@ class ModelRunner:
             computed = token_logprobs(logits[index].float(), tokens[index], [seqs[row].params.logprobs for row in rows])
             for row, logprob in zip(rows, computed):
                 logprobs[row] = logprob
-        return ModelOutput(seqs, tokens.tolist(), logprobs)
+        return ModelOutput(seqs, tokens.tolist(), logprobs, mask_s=None if batch.grammar is None else batch.grammar.seconds)
 
     def _flat_tokens(self, seqs: list[Sequence], num_new: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The step's tokens, their positions and their KV slots, sequence after sequence."""
@@ -179,7 +182,7 @@ class ModelRunner:
         vocab_size = self.model.config.vocab_size
         controls = LogitsControls.from_seqs(seqs, vocab_size, self.device)
         return SamplingBatch.from_params([s.params for s in seqs], [s.generator for s in seqs], vocab_size,
-                                         self.device, controls)
+                                         self.device, controls, GrammarMask.of(seqs, vocab_size))
 
     def _tensor(self, values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)

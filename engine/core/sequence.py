@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.sampling.grammar import GrammarState
 from engine.sampling.logits_controls import TokenCounts
 from engine.request.token_logprob import TokenLogprob
 from engine.request.sampling_params import SamplingParams
@@ -66,6 +67,9 @@ class Sequence:
         eos = () if eos_token_id is None or params.ignore_eos else (eos_token_id,)
         self.stop_token_ids: tuple[int, ...] = tuple(dict.fromkeys(eos + params.stop_token_ids))
         self.token_counts: TokenCounts | None = None  # for penalties, built on first use
+        # Where the output is constrained (structured outputs): the grammar's state after the
+        # output so far. It moves only as tokens are appended, so a preempted sequence keeps it.
+        self.grammar: GrammarState | None = None
         # Logprobs, where the request asks for them: of each prompt token given its prefix
         # (the first has none), filled in as prefill chunks compute them; of the output so far.
         self.prompt_logprobs: list[TokenLogprob | None] | None = None if params.prompt_logprobs is None else [None]
@@ -89,6 +93,8 @@ class Sequence:
         return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
 
     def append_token(self, token_id: int, logprob: TokenLogprob | None) -> None:
+        if self.grammar is not None and not self.grammar.accept(token_id):
+            raise RuntimeError(f"{self.request_id}: token {token_id} drawn outside its grammar's mask")
         self.token_ids.append(token_id)
         if self.token_counts is not None:
             self.token_counts.add(token_id)

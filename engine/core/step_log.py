@@ -18,6 +18,7 @@ class StepRecord:
     duration_s: float  # schedule, forward, sample and bookkeeping
     num_tokens: int  # tokens computed: one per decoding row, a chunk per prefilling row
     num_prompt_tokens: int  # of those, prompt tokens (0 in a decode-only step)
+    mask_s: float | None = None  # filling and applying structured outputs' token masks; None: no row had one
 
     @property
     def kind(self) -> str:

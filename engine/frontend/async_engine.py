@@ -18,12 +18,15 @@ import concurrent.futures
 from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
+import xgrammar as xgr
+
 from engine.frontend.admission import TenantWork, check_waiting_bounds, has_waiting_bounds, retry_after_s
 from engine.config import EngineConfig
 from engine.core.llm_engine import LLMEngine
 from engine.frontend.messages import (
     AbortRequest, AddRequest, CallOnLoop, EngineFailed, OutMessage, RequestRejected, StepOutputs,
 )
+from engine.request.constraint import Constraint
 from engine.request.outputs import EngineDeadError, EngineStats, GenerationChunk, ModelInfo
 from engine.request.request_rules import check_request_id_free
 from engine.frontend.request_stream import RequestStream, min_tokens_per_chunk
@@ -95,15 +98,17 @@ class AsyncEngine:
         """Stream a request's tokens.
 
         Raises before any chunk: InvalidRequestError (a ValueError) for a request that can
-        never run (LLMEngine.add_request's rules, checked on the step loop thread),
+        never run (a constraint that does not compile; LLMEngine.add_request's rules, checked
+        on the step loop thread),
         EngineOverloadedError when the waiting bounds are full, EngineDeadError when the
         step loop has crashed. `scheduling`: the request's priority and tenant (the
         policy's order, and per tenant bounds under the fair one). Leaving the iterator early (break, cancellation, an error in
         the consumer) aborts the request; its KV blocks are free by the end of the next step.
         """
+        grammar = await self._compile(params)
         stream = self._admit(request_id, len(prompt_token_ids), scheduling)
         self.step_loop.send(AddRequest(request_id, list(prompt_token_ids), params, asyncio.get_running_loop(),
-                                       scheduling))
+                                       scheduling, grammar))
         try:
             async for chunk in stream.chunks():
                 yield chunk
@@ -111,6 +116,15 @@ class AsyncEngine:
             del self._streams[request_id]
             if not stream.is_finished:
                 self.abort(request_id)
+
+    async def _compile(self, params: SamplingParams) -> xgr.CompiledGrammar | None:
+        """The constraint's grammar, compiled on a worker thread (a cache hit returns at once),
+        so that a slow schema never holds up the step loop or this event loop. Raises
+        InvalidRequestError where it does not compile."""
+        constraint = getattr(params, "constraint", None)  # params not yet checked: the step loop checks them
+        if not isinstance(constraint, Constraint):
+            return None
+        return await asyncio.to_thread(self.engine.grammars.compile, constraint)
 
     def abort(self, request_id: str) -> None:
         self.step_loop.send(AbortRequest(request_id))

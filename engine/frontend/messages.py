@@ -18,6 +18,8 @@ from engine.request.sampling_params import SamplingParams
 from engine.request.scheduling import Scheduling
 
 if TYPE_CHECKING:
+    import xgrammar as xgr
+
     from engine.core.llm_engine import LLMEngine
 
 
@@ -28,6 +30,7 @@ class AddRequest:
     params: SamplingParams
     loop: asyncio.AbstractEventLoop  # where the request's outputs are delivered
     scheduling: Scheduling = Scheduling()
+    grammar: xgr.CompiledGrammar | None = None  # params.constraint's, compiled before it was sent
 
 
 @dataclass(frozen=True)

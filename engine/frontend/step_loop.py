@@ -139,9 +139,9 @@ class StepLoop:
 
     def _apply(self, message: InMessage) -> None:
         match message:
-            case AddRequest(request_id, prompt_token_ids, params, loop, scheduling):
+            case AddRequest(request_id, prompt_token_ids, params, loop, scheduling, grammar):
                 try:
-                    self.engine.add_request(request_id, prompt_token_ids, params, scheduling)
+                    self.engine.add_request(request_id, prompt_token_ids, params, scheduling, grammar)
                     self._loops[request_id] = loop
                 except ValueError as exc:
                     _send(loop, self.on_output, RequestRejected(request_id, exc))

@@ -77,6 +77,11 @@ class EngineStats:
     # to max_tokens): what a work-bounded router weighs replicas by.
     num_pending_prompt_tokens: int = 0
     num_pending_decode_tokens: int = 0
+    # Structured outputs, totals since start: requests constrained, grammars compiled (not
+    # found in the replica's cache) and the seconds compiling them took.
+    num_constrained_requests: int = 0
+    num_grammar_compiles: int = 0
+    grammar_compile_s: float = 0.0
     taken_at: float = 0.0  # time.time() when these were read
 
     @property

@@ -12,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 from functools import cached_property
 
+from engine.request.constraint import Constraint
 from engine.request.invalid_request import InvalidRequestError
 from engine.request.sampling_limits import (
     GREEDY_BELOW_TEMPERATURE, INT64_MIN, LOGIT_BIAS, LOGPROBS, MAX_STOP_STRINGS, MAX_TOKENS, MIN_P, MIN_TOKENS,
@@ -47,6 +48,9 @@ class SamplingParams:
     # engine runs is always one sequence (n == 1, best_of None or 1).
     n: int = 1
     best_of: int | None = None
+    # Structured outputs: every token drawn keeps the output a prefix of something the
+    # constraint allows, and the request ends ("stop") where the constraint says it is complete.
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
         # Accept lists (and a lone string for stop) at the boundary, store tuples.
@@ -67,6 +71,7 @@ class SamplingParams:
         self._validate()
         self._validate_controls()
         self._validate_logprobs()
+        self._validate_constraint()
 
     def _validate(self) -> None:
         MAX_TOKENS.check("max_tokens", self.max_tokens)
@@ -106,6 +111,14 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None:
                 LOGPROBS.check(name, value)
+
+    def _validate_constraint(self) -> None:
+        if self.constraint is None:
+            return
+        if not isinstance(self.constraint, Constraint):
+            raise _invalid("constraint", f"must be a Constraint, got {type(self.constraint).__name__}")
+        if self.min_tokens > 0:  # the constraint alone says where the output may end
+            raise _invalid("min_tokens", f"must be 0 with structured outputs ({self.constraint.param})")
 
     @property
     def is_greedy(self) -> bool:

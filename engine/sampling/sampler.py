@@ -1,7 +1,8 @@
 """Token sampling, vectorised over the batch.
 
-Logit controls (logit_bias, min_tokens, penalties: engine/sampling/logits_controls.py) change the
-rows that use them first. Greedy rows then take the argmax. Other rows are scaled by
+Structured outputs' token masks (engine/sampling/grammar_mask.py) go first: -inf for every
+token a constrained row's grammar does not allow next. Logit controls (logit_bias,
+min_tokens, penalties: engine/sampling/logits_controls.py) then change the rows that use them. Greedy rows then take the argmax. Other rows are scaled by
 temperature, filtered by min_p (tokens less likely than min_p x the row's most likely one),
 then by top-k and top-p (only when some row asks for it, over its 1024 most likely tokens
 where they hold the mass asked for), and sampled by inverting their CDF: one uniform draw
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.kernels.inductor import compile_for
+from engine.sampling.grammar_mask import GrammarMask
 from engine.sampling.logits_controls import LogitsControls
 from engine.request.sampling_params import SamplingParams
 
@@ -37,10 +39,12 @@ class SamplingBatch:
     all_greedy: bool
     needs_filter: bool
     controls: LogitsControls | None = None  # None when no row uses any
+    grammar: GrammarMask | None = None  # None when no row is constrained
 
     @classmethod
     def from_params(cls, params: list[SamplingParams], generators: list[torch.Generator | None], vocab_size: int,
-                    device: torch.device, controls: LogitsControls | None = None) -> SamplingBatch:
+                    device: torch.device, controls: LogitsControls | None = None,
+                    grammar: GrammarMask | None = None) -> SamplingBatch:
         sampled = [p for p in params if not p.is_greedy]
         top_ks = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]  # past it: all of it
         return cls(
@@ -54,6 +58,7 @@ class SamplingBatch:
             all_greedy=not sampled,
             needs_filter=any(0 < p.top_k < vocab_size or p.top_p < 1 for p in sampled),
             controls=controls,
+            grammar=grammar,
         )
 
 
@@ -95,6 +100,9 @@ class Sampler:
         """logits [S, V] (float32, or the model's dtype: converted here where read) -> token
         ids [S]. Never changes logits in place. `greedy`: each row's argmax where the caller
         has it already (the compiled decode graph's)."""
+        if batch.grammar is not None:  # first: bias and penalties then move only allowed tokens
+            logits = batch.grammar.apply(logits)
+            greedy = None
         if batch.controls is not None:
             logits = batch.controls.apply(logits.float())
             greedy = None  # the controls may have moved it
