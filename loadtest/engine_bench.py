@@ -5,15 +5,19 @@
     python -m loadtest.engine_bench --device cuda --skip-hf --cuda-graphs false   # vs true, vs --compile-decode false
     python -m loadtest.engine_bench --vllm /tmp/gpt2-random   # and vLLM's CPU build offline, on the same prompts
     python -m loadtest.engine_bench --structured --max-num-seqs 16 --skip-hf   # structured outputs, 16 streams
+    python -m loadtest.engine_bench --structured --max-num-seqs 16 --skip-hf --vllm /tmp/gpt2-random   # and vLLM's
 
 --structured runs a mix of JSON-schema, JSON-object, regex and choice requests
 (loadtest/client/structured_requests.py), sampled at temperature 1 with a seed each, then the
 same requests unconstrained, and prints for each: the share that ended by itself, the share of
 those that are valid, and tokens/s; grammars are compiled in a warm-up first (the compile time
-is printed apart).
+is printed apart). With --vllm, vLLM's `LLM.generate` runs the same constrained requests
+(the same prompts, limits and seeds, `structured_outputs` as vLLM takes it, --max-num-seqs
+running), tallied the same way, and the table adds rayinfer's constrained tok/s over vLLM's.
 
 --vllm runs vLLM's `LLM.generate` on a checkpoint directory of the same architecture (its own
 venv: loadtest/peers/vllm_peer.py), greedy, after the engine and HF, in the engine's dtype.
+The checkpoint's weights are its own, not the engine's random ones.
 
 The engine runs with EngineConfig's defaults (what `LLM(model)` runs) but for the flags given.
 Prints tokens/s for both and the engine's single-request decode latency per token.
@@ -35,6 +39,7 @@ from engine.model.gpt2 import CONV1D_WEIGHTS, hf_to_own_name
 from engine.model.loader import load_tokenizer, resolve_model
 from engine.request.sampling_params import SamplingParams
 from loadtest.client.structured_requests import StructuredRequest, StructuredTally, structured_mix
+from loadtest.peers.vllm_peer import OfflineRequest, OfflineResult, require_vllm, run_vllm_offline
 
 
 @dataclass
@@ -117,7 +122,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--vllm", metavar="CHECKPOINT_DIR", help="also vLLM's CPU build offline, on this checkpoint")
     parser.add_argument("--structured", action="store_true",
-                        help="structured output requests, constrained and not (no HF or vLLM run)")
+                        help="structured output requests, constrained and not (no HF run; vLLM's constrained)")
     return parser.parse_args()
 
 
@@ -132,8 +137,9 @@ def main() -> None:
     run_engine(engine, prompts[:4], 4)  # warm-up
     print(f"model={args.model} dtype={config.torch_dtype} device={config.torch_device} threads={torch.get_num_threads()} "
           f"compile_decode={engine.runner.decode_graph is not None} cuda_graphs={config.decode_graphed} requests={args.num_requests} prompt_len={args.prompt_len} max_tokens={args.max_tokens}")
+    dtype = str(config.torch_dtype).removeprefix("torch.")
     if args.structured:
-        return structured_bench(engine, prompts, args.max_tokens)
+        return structured_bench(engine, prompts, args.max_tokens, args.vllm, dtype)
     results = [run_engine(engine, prompts, args.max_tokens)]
     single = decode_ms_per_token(engine, prompts[0], args.max_tokens)
     if not args.skip_hf:
@@ -141,7 +147,7 @@ def main() -> None:
         run_hf(model, prompts[:4], 4)  # warm-up
         results.append(run_hf(model, prompts, args.max_tokens))
     if args.vllm:
-        results.append(run_vllm(args.vllm, prompts, args.max_tokens, str(config.torch_dtype).removeprefix("torch.")))
+        results.append(run_vllm(args.vllm, prompts, args.max_tokens, dtype))
     for r in results:
         print(f"{r.name:28s} {r.num_tokens:6d} tokens in {r.seconds:6.2f} s = {r.tokens_per_s:7.1f} tok/s")
     for r in results[1:]:
@@ -149,18 +155,26 @@ def main() -> None:
     print(f"single-request decode: {single:.2f} ms/token")
 
 
-def structured_bench(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> None:
+def structured_bench(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, vllm_dir: str | None = None,
+                     dtype: str = "bfloat16") -> None:
     """The mix constrained, then the same requests unconstrained, each run to the length its
-    constrained twin reached (EOS ignored): the same tokens, with and without the masks."""
+    constrained twin reached (EOS ignored): the same tokens, with and without the masks; then
+    vLLM's run of the constrained requests where a checkpoint is given."""
     requests = structured_mix(len(prompts))
     run_structured(engine, prompts[:8], requests[:8], [max_tokens] * 8)  # compiles the grammars
     stats = engine.stats()
     print(f"{stats.num_grammar_compiles} grammars compiled in {stats.grammar_compile_s * 1000:.1f} ms")
     constrained, lengths = run_structured(engine, prompts, requests, [max_tokens] * len(prompts))
     free, _ = run_structured(engine, prompts, requests, lengths, constrained=False)
-    print(constrained.line())
-    print(free.line())
+    vllm = None
+    if vllm_dir:
+        vllm = run_vllm_structured(vllm_dir, prompts, requests, max_tokens, dtype, engine.config.max_num_seqs)
+    for tally in (constrained, free, vllm):
+        if tally is not None:
+            print(tally.line())
     print(f"constrained vs unconstrained tok/s: {constrained.tokens_per_s / free.tokens_per_s:.2f}x")
+    if vllm is not None:
+        print(f"rayinfer vs vLLM constrained tok/s: {constrained.tokens_per_s / vllm.tokens_per_s:.2f}x")
 
 
 def run_structured(engine: LLMEngine, prompts: list[list[int]], requests: list[StructuredRequest],
@@ -182,16 +196,35 @@ def run_structured(engine: LLMEngine, prompts: list[list[int]], requests: list[S
             if out.finish_reason == "stop":
                 ended.add(out.request_id)
     seconds = time.perf_counter() - start
-    valid = [r.is_valid(tokenizer.decode(tokens[i], skip_special_tokens=True))
-             for i, r in zip(ids, requests) if i in ended]
+    texts = [tokenizer.decode(tokens[i], skip_special_tokens=True) for i in ids]
     name = "constrained" if constrained else "the same lengths, unconstrained"
-    tally = StructuredTally(name, len(requests), len(ended), sum(valid), sum(map(len, tokens.values())), seconds)
+    tally = StructuredTally.of_outputs(name, requests, texts, [i in ended for i in ids],
+                                       sum(map(len, tokens.values())), seconds)
     return tally, [len(tokens[i]) for i in ids]
 
 
-def run_vllm(model_dir: str, prompts: list[list[int]], max_tokens: int, dtype: str) -> Result:
-    from loadtest.peers.vllm_peer import OfflineRequest, require_vllm, run_vllm_offline
+def vllm_structured_request(model_dir: str, prompts: list[list[int]], requests: list[StructuredRequest],
+                            max_tokens: int, dtype: str, max_num_seqs: int) -> OfflineRequest:
+    """run_structured's constrained requests as vLLM's: temperature 1, the same seed each,
+    the grammars compiled in a warm-up on the first 8."""
+    return OfflineRequest(model_dir, prompts, prompts[:8], max_tokens, temperature=1.0, ignore_eos=False, dtype=dtype,
+                          max_num_seqs=max_num_seqs, structured_outputs=[r.structured_outputs for r in requests],
+                          seeds=list(range(len(requests))))
 
+
+def vllm_tally(requests: list[StructuredRequest], result: OfflineResult) -> StructuredTally:
+    ended = [reason == "stop" for reason in result.finish_reasons]
+    return StructuredTally.of_outputs("vLLM constrained (LLM.generate)", requests, result.texts, ended,
+                                      sum(result.output_tokens), result.duration_s)
+
+
+def run_vllm_structured(model_dir: str, prompts: list[list[int]], requests: list[StructuredRequest],
+                        max_tokens: int, dtype: str, max_num_seqs: int) -> StructuredTally:
+    request = vllm_structured_request(model_dir, prompts, requests, max_tokens, dtype, max_num_seqs)
+    return vllm_tally(requests, run_vllm_offline(request, require_vllm()))
+
+
+def run_vllm(model_dir: str, prompts: list[list[int]], max_tokens: int, dtype: str) -> Result:
     request = OfflineRequest(model_dir, prompts, prompts[:4], max_tokens, temperature=0.0, dtype=dtype)
     result = run_vllm_offline(request, require_vllm())
     return Result("vLLM offline (LLM.generate)", sum(result.output_tokens), result.duration_s)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shlex
 import stat
@@ -18,13 +19,15 @@ import transformers
 import yaml
 
 from loadtest import bench
+from loadtest.client.structured_requests import CHOICES, REGEX, SCHEMA, structured_mix
+from loadtest.engine_bench import vllm_structured_request, vllm_tally
 from loadtest.client.http_target import BenchConfig, run_benchmark
 from loadtest.client.workload import Workload
 from loadtest.client.cpu_usage import cpu_since, cpu_snapshot
 from loadtest.peers.peer_table import parse_args, serve_config
 from loadtest.peers.vllm_peer import (
-    ISA_CAP_DIR, TCMALLOC, VllmServer, VllmServerConfig, VllmSetup, find_vllm, require_vllm, run_vllm_offline_target,
-    start_vllm_target,
+    ISA_CAP_DIR, TCMALLOC, OfflineResult, VllmServer, VllmServerConfig, VllmSetup, find_vllm, require_vllm,
+    run_vllm_offline, run_vllm_offline_target, start_vllm_target,
 )  # fmt: skip
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -134,6 +137,35 @@ def test_vllm_is_started_with_the_flags_a_comparison_asks_for(tmp_path: Path) ->
     assert command[:len(plain)] == plain and command[len(plain):] == ["--stream-interval", "8"]
     args = parse_args(["--checkpoint", str(tmp_path), "--vllm-args", "--stream-interval 8", "--skip-rayinfer"])
     assert shlex.split(args.vllm_args) == ["--stream-interval", "8"] and args.skip_rayinfer
+
+
+def test_vllm_offline_is_handed_each_structured_request_its_structured_outputs_and_seed(tmp_path: Path) -> None:
+    # The venv's python stands in for vllm_offline.py ($1): it keeps the request ($2) and
+    # answers with a fixed result ($3), so the hand-over is read without vLLM.
+    answer = {"duration_s": 2.0, "output_tokens": [5, 6, 7, 8], "texts": ["a", "b", "c", "d"],
+              "finish_reasons": ["stop", "stop", "length", "stop"]}
+    (tmp_path / "answer.json").write_text(json.dumps(answer))
+    venv = _fake_venv(tmp_path / "venv", f'cp "$2" {tmp_path}/handed.json; cp {tmp_path}/answer.json "$3"')
+    prompts = [[1, 2], [3], [4, 5, 6], [7]]
+    request = vllm_structured_request("/ckpt", prompts, structured_mix(4), 32, "bfloat16", max_num_seqs=16)
+    result = run_vllm_offline(request, VllmSetup(venv))
+    handed = json.loads((tmp_path / "handed.json").read_text())
+    assert handed["structured_outputs"] == [{"json": SCHEMA}, {"json_object": True}, {"regex": REGEX},
+                                            {"choice": CHOICES}]
+    assert handed["seeds"] == [0, 1, 2, 3] and handed["prompts"] == prompts
+    assert (handed["temperature"], handed["ignore_eos"], handed["max_tokens"]) == (1.0, False, 32)
+    assert (handed["dtype"], handed["max_num_seqs"]) == ("bfloat16", 16)
+    assert result == OfflineResult(**answer)
+
+
+def test_vllms_structured_outputs_are_tallied_as_rayinfers_are() -> None:
+    """Only outputs vLLM ended itself ("stop") count, and of those only the valid ones."""
+    texts = ['{"name": "Ada", "age": 36, "member": true}', "{", "ABC-1234", "positive"]
+    result = OfflineResult(duration_s=2.0, output_tokens=[16, 1, 6, 2], texts=texts,
+                           finish_reasons=["stop", "stop", "length", "stop"])
+    tally = vllm_tally(structured_mix(4), result)
+    assert (tally.num_requests, tally.num_ended, tally.num_valid) == (4, 3, 2)
+    assert (tally.num_tokens, tally.tokens_per_s) == (25, 12.5)
 
 
 @pytest.fixture(scope="module")

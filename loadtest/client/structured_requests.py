@@ -86,6 +86,13 @@ class StructuredTally:
     def tokens_per_s(self) -> float:
         return self.num_tokens / self.seconds
 
+    @classmethod
+    def of_outputs(cls, name: str, requests: list[StructuredRequest], texts: list[str], ended: list[bool],
+                   num_tokens: int, seconds: float) -> StructuredTally:
+        """The tally of one run's outputs, each request's text and whether it ended by itself."""
+        num_valid = sum(request.is_valid(text) for request, text, is_ended in zip(requests, texts, ended) if is_ended)
+        return cls(name, len(requests), sum(ended), num_valid, num_tokens, seconds)
+
     def line(self) -> str:
         return (f"{self.name:34s} ended by itself {self.ended_share:6.1%}, valid {self.valid_share:6.1%} of those, "
                 f"{self.num_tokens:6d} tokens in {self.seconds:6.2f} s = {self.tokens_per_s:7.1f} tok/s")

@@ -197,7 +197,8 @@ def _kill_group(pgid: int) -> None:
 
 @dataclass(frozen=True)
 class OfflineRequest:
-    """What vllm_offline.py reads: every prompt goes to one LLM.generate call."""
+    """What vllm_offline.py reads: every prompt goes to one LLM.generate call, each with
+    its own `structured_outputs` (StructuredOutputsParams' keys) and seed where those are given."""
 
     model_dir: str
     prompts: list[list[int]]
@@ -209,12 +210,19 @@ class OfflineRequest:
     max_model_len: int = 1024
     seed: int = 0
     enforce_eager: bool = False
+    max_num_seqs: int | None = None  # None: vLLM's default
+    structured_outputs: list[dict] | None = None  # one per prompt
+    seeds: list[int] | None = None  # one per prompt
 
 
 @dataclass(frozen=True)
 class OfflineResult:
+    """Per prompt, in the request's order."""
+
     duration_s: float  # of the measured generate call
-    output_tokens: list[int]  # per prompt
+    output_tokens: list[int]
+    texts: list[str]
+    finish_reasons: list[str]  # vLLM's: "stop" (EOS or a stop string) or "length"
 
 
 def run_vllm_offline(request: OfflineRequest, setup: VllmSetup, timeout_s: float = 900.0) -> OfflineResult:
