@@ -48,14 +48,17 @@ def rows(checkpoint: str, tiny_checkpoint: str, venvs: str) -> list[Row]:
     return [
         Row("engine", "bf16-vs-hf-and-vllm", [*engine_bench, "--vllm", checkpoint], needs="vllm"),
         Row("engine", "avx2-vs-hf", engine_bench, env=CAPS),
-        Row("engine", "structured", [PY, "-m", "loadtest.engine_bench", "--structured", "--num-requests", "64",
-                                     "--max-num-seqs", "16", "--prompt-len", "16", "--max-tokens", "64", "--skip-hf"]),
+        Row("engine", "structured", [PY, "-m", "loadtest.engine_bench", "--structured", "--max-num-seqs", "16", "--skip-hf",
+                                     "--num-requests", "64", "--max-tokens", "64", "--model", checkpoint,
+                                     "--vllm", checkpoint], needs="vllm"),
         Row("http", "vs-vllm", peer_table, needs="vllm"),
         Row("http", "vs-vllm-avx2", [*peer_table, "--dtype", "float32"], env=CAPS, needs="vllm"),
         Row("scale", "shared", [*scale, "--workload", "shared", "--num-requests", "192", "--num-prefixes", "24",
                                 "--engine", "num_kv_blocks=288"]),
         Row("scale", "hot", [*scale, "--workload", "hot", "--concurrency", "16", "--num-requests", "192"]),
         Row("scale", "free", [*scale, "--workload", "free", "--concurrency", "16", "--num-requests", "128"]),
+        Row("startup", "warm-vs-vllm", [PY, "-m", "loadtest.peers.startup_time", "--config", "configs/gpt2.yaml",
+                                        "--runs", "3", "--vllm-checkpoint", checkpoint], needs="vllm"),
         Row("clients", "lm-eval", [PY, "-m", "loadtest.lmeval_check", tiny_checkpoint, "--lm-eval",
                                    f"{venvs}/lmeval/bin/lm_eval"], needs="clients"),
         Row("clients", "guidellm-aiperf", ["loadtest/real_clients.sh", tiny_checkpoint, venvs, "bench_out/real-clients"],
@@ -101,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="the real clients' checkpoint (python -m loadtest.make_checkpoint DIR --arch tiny)")
     parser.add_argument("--venvs", default="/work/.venvs", help="where the real clients' venvs are")
     parser.add_argument("--out", type=Path, default=Path("bench_out/page"))
-    parser.add_argument("--areas", default="engine,http,scale,clients")
+    parser.add_argument("--areas", default="engine,http,scale,startup,clients")
     parser.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     args = parser.parse_args(argv)
     chosen = [row for row in rows(args.checkpoint, args.tiny_checkpoint, args.venvs) if row.area in args.areas.split(",")]
