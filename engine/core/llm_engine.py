@@ -6,9 +6,9 @@ import functools
 import logging
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
-import xgrammar as xgr
 
 from engine.core.block_manager import BlockManager
 from engine.config import EngineConfig, LinearsMode
@@ -36,6 +36,9 @@ from engine.core.scheduler import ScheduledBatch, Scheduler
 from engine.core.sequence import Sequence
 from engine.core.step_log import StepLog, StepRecord
 from engine.core.step_threads import StepThreads
+
+if TYPE_CHECKING:  # imported where a constraint first needs it, not with every engine's start
+    import xgrammar as xgr
 
 logger = logging.getLogger(__name__)
 

@@ -16,9 +16,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 from collections.abc import AsyncIterator, Callable
-from typing import TypeVar
-
-import xgrammar as xgr
+from typing import TYPE_CHECKING, TypeVar
 
 from engine.frontend.admission import TenantWork, check_waiting_bounds, has_waiting_bounds, retry_after_s
 from engine.config import EngineConfig
@@ -34,6 +32,9 @@ from engine.request.sampling_params import SamplingParams
 from engine.request.scheduling import Scheduling
 from engine.core.step_log import StepRecord
 from engine.frontend.step_loop import StepLoop
+
+if TYPE_CHECKING:  # imported where a constraint first needs it, not with every engine's start
+    import xgrammar as xgr
 
 T = TypeVar("T")
 

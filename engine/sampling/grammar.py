@@ -24,13 +24,16 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
-import xgrammar as xgr
 
 from engine.model.loader import load_tokenizer
 from engine.request.constraint import Constraint
 from engine.request.invalid_request import InvalidRequestError
+
+if TYPE_CHECKING:  # imported where a constraint first needs it, not with every engine's start
+    import xgrammar as xgr
 
 MAX_CACHED_GRAMMARS = 256
 _JSON_OBJECT_SCHEMA = '{"type": "object"}'
@@ -106,6 +109,8 @@ class GrammarCache:
 
     def state(self, constraint: Constraint, grammar: xgr.CompiledGrammar | None = None) -> GrammarState:
         """A new sequence's state at its grammar's start; `grammar`: compiled already, else now."""
+        import xgrammar as xgr
+
         matcher = xgr.GrammarMatcher(grammar or self.compile(constraint))
         return GrammarState(matcher, self._control_tokens if constraint.kind in JSON_KINDS else None)
 
@@ -114,6 +119,8 @@ class GrammarCache:
             return CompileStats(self._num_compiles, self._compile_s, self._num_cache_hits)
 
     def _tokenizer_compiler(self) -> xgr.GrammarCompiler:
+        import xgrammar as xgr
+
         with self._lock:
             if self._compiler is None:
                 info = xgr.TokenizerInfo.from_huggingface(load_tokenizer(self.model), vocab_size=self.vocab_size,
@@ -142,6 +149,8 @@ def _compile(compiler: xgr.GrammarCompiler, constraint: Constraint) -> xgr.Compi
 
 def _bitmask_of(info: xgr.TokenizerInfo, picks) -> torch.Tensor:
     """[ceil(V / 32)] int32 with bit t set for each token t whose bytes `picks` takes."""
+    import xgrammar as xgr
+
     bits = torch.zeros(xgr.get_bitmask_shape(1, info.vocab_size)[1] * 32, dtype=torch.bool)
     bits[[t for t, token in enumerate(info.decoded_vocab) if picks(token)]] = True
     weights = (1 << torch.arange(32, dtype=torch.int64))

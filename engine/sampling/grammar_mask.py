@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-import xgrammar as xgr
 
 if TYPE_CHECKING:
     from engine.core.sequence import Sequence
@@ -35,6 +34,8 @@ class GrammarMask:
         rows = [row for row, seq in enumerate(seqs) if seq.grammar is not None]
         if not rows:
             return None
+        import xgrammar as xgr  # loaded already: the constraint was compiled (engine/sampling/grammar.py)
+
         started = time.perf_counter()
         bitmask = xgr.allocate_token_bitmask(len(seqs), vocab_size)
         for row in rows:
@@ -43,6 +44,8 @@ class GrammarMask:
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """A masked copy in float32: the raw logits stay intact for logprobs."""
+        import xgrammar as xgr
+
         started = time.perf_counter()
         masked = logits.float()
         masked = masked.clone() if masked is logits else masked
