@@ -245,7 +245,8 @@ API_ROUTES = [("POST", "/v1/completions", greedy("hi", max_tokens=1)),
 
 @pytest.mark.parametrize(("method", "path", "body"), API_ROUTES)
 @pytest.mark.parametrize("authorization", [None, "Bearer sk-wrong", f"Bearer {API_KEY}x", f"Basic {API_KEY}",
-                                           f"Bearer {API_KEY[:-1]}"])
+                                           f"Bearer {API_KEY[:-1]}"],
+                         ids=["none", "wrong", "key-plus-one", "basic-scheme", "key-minus-one"])
 def test_every_api_route_without_a_valid_key_is_a_401(base_url: str, method: str, path: str, body: dict | None,
                                                       authorization: str | None) -> None:
     headers = {"Authorization": authorization} if authorization else {}
