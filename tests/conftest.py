@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 
 from deployments.replicas.hooks import TEST_HOOKS_ENV
 from engine.model.loader import load_tokenizer
+from tests.serve_helpers import release_shared_serve
 
 # Every Ray cluster a test starts inherits it: the tests' door into a running engine
 # (deployments/replicas/hooks.py: integrity checks, injected faults), shut in service.
@@ -80,3 +81,28 @@ def http(base_url: str, http_headers: dict[str, str]) -> Iterator[httpx.Client]:
 def oai(base_url: str) -> openai.OpenAI:
     """The real `openai` SDK against the module's app (its served model is named "tiny")."""
     return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests without Ray first, then those that serve from the suite's shared Serve instance,
+    then those that start a cluster of their own (`own_cluster`), which shut the shared one
+    down first: Ray starts twice in all, not once a module. A stable sort: each module's
+    tests keep their order."""
+    def stage(item: pytest.Item) -> int:
+        return 2 if item.get_closest_marker("own_cluster") else 1 if item.get_closest_marker("serve") else 0
+    items.sort(key=stage)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_serve_released_at_the_end() -> Iterator[None]:
+    yield
+    release_shared_serve()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A test that starts a Ray cluster of its own (in process, or by `serve run`) finds the
+    shared one shut down before any of its fixtures start: one driver holds one Ray, and
+    `serve run` must not find ours."""
+    if item.get_closest_marker("own_cluster"):
+        release_shared_serve()

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -64,8 +65,15 @@ def is_running(pid: int) -> bool:
 
 
 def titled_processes(title: str) -> list[psutil.Process]:
-    """The live processes whose title (Ray sets it to the actor's class or replica) holds `title`."""
-    return [p for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] and title in p.info["cmdline"][0]]
+    """This process's live descendants whose title (Ray sets it to the actor's class or
+    replica) holds `title`: those of the clusters this test process started, not another's."""
+    found = []
+    for process in descendants():
+        with contextlib.suppress(psutil.Error):
+            cmdline = process.cmdline()
+            if cmdline and title in cmdline[0] and process.status() != psutil.STATUS_ZOMBIE:
+                found.append(process)
+    return found
 
 
 def one_titled_process(title: str) -> psutil.Process:
@@ -106,7 +114,8 @@ def descendants() -> list[psutil.Process]:
 def reap(started: list[psutil.Process], timeout_s: float = 20) -> list[str]:
     """Waits for `started` to exit, kills by PID those that don't (psutil refuses a PID the
     kernel has since reused), and names them."""
-    outlived = [p for p in started if p.pid in wait_for_exit([p.pid for p in started], timeout_s)]
+    alive = set(wait_for_exit([p.pid for p in started], timeout_s))
+    outlived = [p for p in started if p.pid in alive]
     names = []
     for process in outlived:
         with contextlib.suppress(psutil.NoSuchProcess):
@@ -148,16 +157,65 @@ def shut_serve_and_ray() -> None:
         ray.shutdown()
 
 
-@contextlib.contextmanager
-def running_app(app: serve.Application, name: str = "rayinfer", **ray_init_kwargs) -> Iterator[str]:
-    """A fresh local Ray (2 CPUs) serving `app` at / on a free 127.0.0.1 port; yields its
-    base URL, then shuts Serve and Ray down and checks that every process they started exited."""
-    port = free_port()
-    with reaped(shut_serve_and_ray, "serve.shutdown() and ray.shutdown()"):
-        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, **ray_init_kwargs)
+@dataclass
+class ServeInstance:
+    """The suite's one local Ray (2 CPUs) and Serve instance: HTTP on a free 127.0.0.1 port,
+    Ray's Prometheus export on another, each replica's metrics reported every 0.5 s. Every
+    in-process app module deploys into it under a name of its own, so the suite starts Ray
+    once rather than once a module."""
+
+    port: int
+    metrics_port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics_port}/metrics"
+
+
+_shared: ServeInstance | None = None
+_shared_reaper: contextlib.ExitStack | None = None
+
+
+def shared_serve() -> ServeInstance:
+    """The shared instance, started at its first use."""
+    global _shared, _shared_reaper
+    if _shared is None:
+        port, metrics_port = free_port(), free_port()
+        _shared_reaper = contextlib.ExitStack()
+        _shared_reaper.enter_context(reaped(shut_serve_and_ray, "the shared serve.shutdown() and ray.shutdown()"))
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+                 _metrics_export_port=metrics_port, _system_config={"metrics_report_interval_ms": 500})
         serve.start(http_options={"host": "127.0.0.1", "port": port}, controller_options=CONTROLLER_OPTIONS)
-        serve.run(app, name=name, route_prefix="/")
-        yield f"http://127.0.0.1:{port}"
+        _shared = ServeInstance(port, metrics_port)
+    return _shared
+
+
+def release_shared_serve() -> None:
+    """Shut the shared instance down, if it is up (at the session's end, or before a module
+    starts a Ray cluster of its own), and check every process it started has exited."""
+    global _shared, _shared_reaper
+    reaper, _shared, _shared_reaper = _shared_reaper, None, None
+    if reaper is not None:
+        reaper.close()
+
+
+@contextlib.contextmanager
+def running_app(app: serve.Application, name: str) -> Iterator[ServeInstance]:
+    """`app` served at / of the shared instance under `name`; afterwards the app is deleted
+    and each of its replica processes must have exited."""
+    instance = shared_serve()
+    serve.run(app, name=name, route_prefix="/")
+    try:
+        yield instance
+    finally:
+        replicas = titled_processes(f"ServeReplica:{name}:")
+        serve.delete(name)
+        outlived = reap(replicas, timeout_s=30)
+        assert outlived == [], f"replicas of {name} outlived serve.delete: {outlived}"
 
 
 def serve_executable() -> str:

@@ -21,7 +21,7 @@ from loadtest.chaos.config import ChaosConfig
 from loadtest.chaos.verdict import summary
 from tests.serve_helpers import ROOT, free_port, serve_run
 
-pytestmark = pytest.mark.serve
+pytestmark = [pytest.mark.serve, pytest.mark.own_cluster]  # `serve run` starts its own
 
 API_KEY = f"sk-chaos-{uuid.uuid4().hex}"
 

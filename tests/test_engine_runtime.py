@@ -90,8 +90,8 @@ def preloaded_app(tiny_gpt2_dir: Path) -> Iterator[str]:
     app = build_app({"model": str(tiny_gpt2_dir), "dtype": "float32", "engine": ENGINE_ARGS,
                      "tokenizer_num_replicas": 1, "engine_preload": ["tcmalloc", "no-such-library-anywhere"],
                      "engine_env": {"RAYINFER_TEST_MARK": "engine-env"}})
-    with running_app(app) as url:
-        yield url
+    with running_app(app, "rayinfer") as instance:
+        yield instance.url
 
 
 @pytest.mark.serve

@@ -23,8 +23,8 @@ MAX_EXAMPLES = 1000  # 25-35 s on 2 cores
 
 @pytest.fixture(scope="module")
 def base_url(tiny_gpt2_dir: Path) -> Iterator[str]:
-    with running_app(build_app(tiny_app_args(tiny_gpt2_dir, engine=ENGINE_ARGS))) as url:
-        yield url
+    with running_app(build_app(tiny_app_args(tiny_gpt2_dir, engine=ENGINE_ARGS)), "rayinfer") as instance:
+        yield instance.url
 
 
 def test_no_generated_body_gets_a_5xx_or_leaks_and_the_engine_serves_on(base_url: str) -> None:

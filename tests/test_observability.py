@@ -13,23 +13,22 @@ import pytest
 
 from deployments.app import build_app
 from loadtest.client.headless import run_locust
-from tests.serve_helpers import free_port, running_app, tiny_app_args
+from tests.serve_helpers import running_app, tiny_app_args
 
 pytestmark = pytest.mark.serve
 
+APP = "observability"
 NUM_KV_BLOCKS = 48
 LOCAL_ENCODE_MAX_CHARS = 100  # the ingress encodes prompts up to this long, the tokenizer deployment the rest
 
 
 @pytest.fixture(scope="module")
 def server(tiny_gpt2_dir: Path) -> Iterator[tuple[str, str]]:
-    """(API base URL, metrics export URL) of a Serve app on a fresh local Ray."""
-    metrics_port = free_port()
+    """(API base URL, metrics export URL) of the app."""
     app = build_app(tiny_app_args(tiny_gpt2_dir, engine={"num_kv_blocks": NUM_KV_BLOCKS},
                                   local_encode_max_chars=LOCAL_ENCODE_MAX_CHARS))
-    with running_app(app, _metrics_export_port=metrics_port,
-                     _system_config={"metrics_report_interval_ms": 500}) as url:
-        yield url, f"http://127.0.0.1:{metrics_port}/metrics"
+    with running_app(app, APP) as instance:
+        yield instance.url, instance.metrics_url
 
 
 def test_locust_smoke_run_has_no_failures_and_reports_ttft(server, tmp_path):
@@ -54,14 +53,15 @@ def sample(text: str, name: str, **labels: str) -> float | None:
     return sum(values) if values else None
 
 
-def scrape_until(url: str, expectations: dict, timeout_s: float = 30) -> None:
-    """Poll the export until every expectation (a predicate on one sample) holds: Ray
-    reports each replica's metrics every 0.5 s here, so values arrive a little late."""
+def scrape_until(url: str, app: str, expectations: dict, timeout_s: float = 30) -> None:
+    """Poll the export until every expectation (a predicate on one sample of the Serve
+    application `app`: the suite's other apps share the export) holds: Ray reports each
+    replica's metrics every 0.5 s here, so values arrive a little late."""
     deadline = time.monotonic() + timeout_s
     while True:
         text = httpx.get(url, timeout=5).text
-        failing = {key: sample(text, key[0], **dict(key[1:])) for key, check in expectations.items()
-                   if (value := sample(text, key[0], **dict(key[1:]))) is None or not check(value)}
+        failing = {key: value for key, check in expectations.items()
+                   if (value := sample(text, key[0], application=app, **dict(key[1:]))) is None or not check(value)}
         if not failing:
             return
         assert time.monotonic() < deadline, f"metrics not as expected: {failing}"
@@ -80,7 +80,7 @@ def test_metrics_reach_rays_prometheus_export_with_sensible_values(server):
         assert client.post("/v1/completions", json=short).status_code == 200
         assert client.post("/v1/completions", json={"model": "tiny", "prompt": ""}).status_code == 400
     at_least = lambda n: lambda v: v >= n  # noqa: E731
-    scrape_until(metrics_url, {
+    scrape_until(metrics_url, APP, {
         ("ray_rayinfer_requests_total", ("endpoint", "/v1/completions"), ("status", "200")): at_least(4),
         ("ray_rayinfer_requests_total", ("endpoint", "/v1/completions"), ("status", "400")): at_least(1),
         ("ray_rayinfer_completion_tokens_total",): at_least(18),

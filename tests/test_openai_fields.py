@@ -33,8 +33,8 @@ NO_EOS = {"ignore_eos": True}
 @pytest.fixture(scope="module")
 def base_url(tiny_gpt2_dir: Path) -> Iterator[str]:
     app = build_app(tiny_app_args(tiny_gpt2_dir, engine=ENGINE_ARGS))
-    with running_app(app) as url:
-        yield url
+    with running_app(app, "rayinfer") as instance:
+        yield instance.url
 
 
 @pytest.fixture(scope="module")

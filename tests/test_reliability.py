@@ -70,8 +70,8 @@ def ingress() -> str:
 
 @pytest.fixture(scope="module")
 def base_url(tiny_gpt2_dir: Path, ingress: str) -> Iterator[str]:
-    with running_app(make_app(app_args(tiny_gpt2_dir, ingress), deployment_options(ingress)), APP) as url:
-        yield url
+    with running_app(make_app(app_args(tiny_gpt2_dir, ingress), deployment_options(ingress)), APP) as instance:
+        yield instance.url
 
 
 @pytest.fixture(scope="module")

@@ -31,12 +31,12 @@ from deployments.routing.prefix_routing import prefix_key, rendezvous_order
 from engine import SamplingParams
 from loadtest.scale.load_balance import arrival_loads
 from tests.http_helpers import wait_for
-from tests.serve_helpers import free_port, replica_processes, running_app
+from tests.serve_helpers import replica_processes, running_app
 from tests.test_observability import scrape_until
 
 pytestmark = pytest.mark.serve
 
-APP = "rayinfer"
+APP = "scale-out"
 BLOCK = 16  # EngineConfig's default block_size
 KEY_BLOCKS = 4
 EPS = 0.5
@@ -64,9 +64,11 @@ WORK_ROUTER = {**ROUTER, "request_router_kwargs": {"load_bound_eps": EPS, "key_b
                                                    "decode_token_cost": DECODE_TOKEN_COST}}
 
 
-def app_args(tiny_gpt2_dir: Path) -> dict:
+def app_args(tiny_gpt2_dir: Path, load_log_dir: Path | None = None) -> dict:
+    """The app's arguments; with load_log_dir, its engine replicas log their load there."""
+    engine_env = {LOAD_LOG_DIR_ENV: str(load_log_dir)} if load_log_dir else {}
     return {"model": str(tiny_gpt2_dir), "served_model_name": "tiny", "dtype": "float32",
-            "engine_num_cpus": 0.4, "tokenizer_num_replicas": 1, "engine_cpu_bind": "auto",
+            "engine_num_cpus": 0.4, "tokenizer_num_replicas": 1, "engine_cpu_bind": "auto", "engine_env": engine_env,
             "engine": {"num_kv_blocks": 256, "max_num_seqs": 32, "max_num_batched_tokens": 512, "compile_decode": False}}
 
 
@@ -76,21 +78,16 @@ def engine_options(num_replicas: int, router: dict = ROUTER) -> dict:
 
 
 @pytest.fixture(scope="module")
-def load_log_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """Engine replicas log their load here (deployments/routing/engine_load.py), inheriting the
-    variable from this process, which starts Ray."""
-    directory = tmp_path_factory.mktemp("load-logs")
-    os.environ[LOAD_LOG_DIR_ENV] = str(directory)
-    yield directory
-    del os.environ[LOAD_LOG_DIR_ENV]
+def load_log_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Engine replicas log their load here (deployments/replicas/hooks.py), told by their
+    environment (app_args' engine_env)."""
+    return tmp_path_factory.mktemp("load-logs")
 
 
 @pytest.fixture(scope="module")
 def server(tiny_gpt2_dir: Path, load_log_dir: Path) -> Iterator[tuple[str, str]]:
-    metrics_port = free_port()
-    with running_app(make_app(app_args(tiny_gpt2_dir), engine_options(2)), APP, _metrics_export_port=metrics_port,
-                     _system_config={"metrics_report_interval_ms": 500}) as url:
-        yield url, f"http://127.0.0.1:{metrics_port}/metrics"
+    with running_app(make_app(app_args(tiny_gpt2_dir, load_log_dir), engine_options(2)), APP) as instance:
+        yield instance.url, instance.metrics_url
 
 
 def engine_replicas() -> dict[str, ray.actor.ActorHandle]:
@@ -181,7 +178,7 @@ def test_a_burst_on_one_prefix_spills_to_its_second_choice_within_the_bound(serv
                           completion_lag_s=0.1)
     assert (loads.num_arrivals, loads.num_over_bound_lasting) == (24, 0), loads
     at_least = lambda n: lambda v: v >= n  # noqa: E731
-    scrape_until(metrics_url, {
+    scrape_until(metrics_url, APP, {
         ("ray_rayinfer_router_routed_requests_total", ("decision", "spill")): at_least(1),
         ("ray_rayinfer_router_routed_requests_total", ("decision", "affinity")): at_least(18 + counts[order[0]] // 2),
         ("ray_rayinfer_router_engine_replicas",): lambda v: v == 2,
@@ -248,7 +245,7 @@ def check_two_routers(rng: random.Random, replica_ids: list[str], load_log_dir: 
 
 
 def test_replicas_added_and_removed_mid_run_keep_cached_keys_and_take_new_ones_without_a_failed_request(
-        server, tiny_gpt2_dir):
+        server, tiny_gpt2_dir, load_log_dir):
     """Traffic on 8 prefixes runs through each change. After it, on an idle app, each of
     those prefixes goes to one replica every time (where it is cached: an added replica
     does not take a key another one holds, it would only compute it again; a removed
@@ -260,7 +257,7 @@ def test_replicas_added_and_removed_mid_run_keep_cached_keys_and_take_new_ones_w
     traffic = Traffic(base_url, prefixes)
     for num_replicas in (3, 2):  # one added, then one removed
         with traffic.running():
-            redeploy(tiny_gpt2_dir, num_replicas)
+            redeploy(tiny_gpt2_dir, load_log_dir, num_replicas)
             replica_ids = wait_for_replicas(num_replicas)
         check_keys_stay(base_url, prefixes, replica_ids)
         fresh = [random_prompt(rng, 5 * BLOCK) for _ in range(24)]
@@ -311,8 +308,9 @@ class Traffic:
                     self.failures.append(f"{response.status_code} {response.text}")
 
 
-def redeploy(tiny_gpt2_dir: Path, num_replicas: int, router: dict = ROUTER) -> None:
-    serve.run(make_app(app_args(tiny_gpt2_dir), engine_options(num_replicas, router)), name=APP, route_prefix="/")
+def redeploy(tiny_gpt2_dir: Path, load_log_dir: Path, num_replicas: int, router: dict = ROUTER) -> None:
+    app = make_app(app_args(tiny_gpt2_dir, load_log_dir), engine_options(num_replicas, router))
+    serve.run(app, name=APP, route_prefix="/")
 
 
 def wait_for_replicas(num_replicas: int, timeout_s: float = 60) -> list[str]:
@@ -339,13 +337,13 @@ def check_keys_on_first_choice(base_url: str, prefixes: list[list[int]], replica
 
 
 @pytest.fixture(scope="module")
-def work_router(server, tiny_gpt2_dir: Path) -> list[str]:
+def work_router(server, tiny_gpt2_dir: Path, load_log_dir: Path) -> list[str]:
     """The engine deployment routed with load_unit: work, for handles made from now on
     (Callers: the ingress's handle keeps the router it made); its replica ids. Once for the
     module's tests in work, the last in the file: each redeploy restarts both engine replicas
     (~20 s), and pytest would put the request router back only at the module's end, where no
     test is left to use it."""
-    redeploy(tiny_gpt2_dir, 2, WORK_ROUTER)
+    redeploy(tiny_gpt2_dir, load_log_dir, 2, WORK_ROUTER)
     return wait_for_replicas(2)
 
 

@@ -51,7 +51,8 @@ def wait_until(predicate, timeout_s: float, what: str) -> None:
 def test_a_burst_scales_the_engine_up_and_quiet_scales_it_down_without_a_failed_request(tiny_gpt2_dir):
     options = {"EngineDeployment": {"autoscaling_config": AUTOSCALING, "request_router_config": ROUTER,
                                     "graceful_shutdown_timeout_s": 5}}
-    with running_app(make_app(app_args(tiny_gpt2_dir), options), APP) as url:
+    with running_app(make_app(app_args(tiny_gpt2_dir), options), APP) as instance:
+        url = instance.url
         assert num_running_engine_replicas() == 1
         statuses: list[int] = []
         stop = threading.Event()
@@ -93,6 +94,7 @@ def two_node_cluster() -> Iterator[Cluster]:
         yield clusters[0]
 
 
+@pytest.mark.own_cluster
 def test_two_nodes_serve_over_http_with_an_engine_replica_on_each(tiny_gpt2_dir: Path):
     port = free_port()
     # One engine replica per node, as a user spreading engines over machines asks Serve for:

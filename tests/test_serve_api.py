@@ -44,8 +44,8 @@ def ingress(request: pytest.FixtureRequest) -> str:
 @pytest.fixture(scope="module")
 def base_url(tiny_gpt2_dir: Path, ingress: str) -> Iterator[str]:
     app = build_app(tiny_app_args(tiny_gpt2_dir, engine=ENGINE_ARGS, tokenizer_num_replicas=2, ingress=ingress))
-    with running_app(app, APP) as url:
-        yield url
+    with running_app(app, APP) as instance:
+        yield instance.url
 
 
 def test_the_routes_run_where_the_ingress_arg_puts_them(base_url: str, ingress: str) -> None:

@@ -23,7 +23,7 @@ from tests.engine_helpers import hf_model, hf_scores, write_peaked_gpt2_small
 from tests.http_helpers import engine_health
 from tests.serve_helpers import ROOT, ServeRun, free_port, proxy_process, replica_process, serve_run
 
-pytestmark = pytest.mark.serve
+pytestmark = [pytest.mark.serve, pytest.mark.own_cluster]  # `serve run` starts its own
 
 GRAPH_TIMEOUT_S = 480  # the background compile of GPT-2 small's graph: ~70 s on 2 idle cores, cold
 NUM_STREAMS = 16

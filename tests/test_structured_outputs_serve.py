@@ -15,13 +15,14 @@ import pytest
 
 from deployments.app import build_app
 from tests.http_helpers import assert_openai_error, sse_payloads
-from tests.serve_helpers import MODEL, free_port, running_app, tiny_app_args
+from tests.serve_helpers import MODEL, running_app, tiny_app_args
 from tests.structured_helpers import CHOICES, GRAMMAR, REGEX, SCHEMA, is_valid
 from tests.test_observability import scrape_until
 
 pytestmark = pytest.mark.serve
 
 # (route, the request's constraint fields, what a complete output must be)
+APP = "structured"
 SHAPES = [
     ("completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": SCHEMA}}},
      "json_schema"),
@@ -44,11 +45,9 @@ SHAPES = [
 @pytest.fixture(scope="module")
 def server(tiny_gpt2_dir: Path) -> Iterator[tuple[str, str]]:
     """(API base URL, metrics export URL)."""
-    metrics_port = free_port()
     app = build_app(tiny_app_args(tiny_gpt2_dir, engine={"num_kv_blocks": 128, "max_num_seqs": 32}))
-    with running_app(app, _metrics_export_port=metrics_port,
-                     _system_config={"metrics_report_interval_ms": 500}) as url:
-        yield url, f"http://127.0.0.1:{metrics_port}/metrics"
+    with running_app(app, APP) as instance:
+        yield instance.url, instance.metrics_url
 
 
 @pytest.fixture(scope="module")
@@ -156,7 +155,7 @@ def test_metrics_count_constrained_requests_compiles_and_mask_time(server, http)
     for _ in range(2):  # the second compiles nothing: the replica's cache has it
         assert http.post("/v1/completions", json=body("completions", {"guided_choice": ["on", "off"]})).status_code == 200
     at_least = lambda n: lambda v: v >= n  # noqa: E731
-    scrape_until(metrics_url, {
+    scrape_until(metrics_url, APP, {
         ("ray_rayinfer_constrained_requests_total",): at_least(6),  # n = 3, twice
         ("ray_rayinfer_grammar_compiles_total",): at_least(1),
         ("ray_rayinfer_grammar_compile_seconds_total",): lambda v: v > 0,

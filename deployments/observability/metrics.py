@@ -2,7 +2,9 @@
 
 Ray exports them (prefixed `ray_`) on every node's metrics endpoint, so they appear in
 Prometheus, the Ray dashboard's Metrics view and configs/grafana/rayinfer.json. Each replica
-records its own series; Prometheus sums them across replicas.
+records its own series, labelled with its Serve application, deployment and replica as
+Serve's own metrics are (ray.serve.metrics), so two apps on one cluster stay apart;
+Prometheus sums them across replicas.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import threading
 from collections.abc import Callable
 
 from ray.serve import metrics as serve_metrics
-from ray.util.metrics import Counter, Gauge, Histogram
+from ray.serve.metrics import Counter, Gauge, Histogram
 
 from engine.request.outputs import EngineStats
 from engine.core.step_log import StepRecord
