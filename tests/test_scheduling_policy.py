@@ -172,3 +172,69 @@ def test_a_tenant_back_from_idle_gets_no_credit_for_its_idle_time(tiny_gpt2_dir)
     assert counters["b"] == counters["a"]  # lifted to the least counter of the backlogged: a's
     served = serve_saturated(engine, {"a": 1.0, "b": 1.0}, num_steps=40)
     assert served["a"] / (served["a"] + served["b"]) == pytest.approx(0.5, abs=0.1), served
+
+
+def fill_batch(engine: LLMEngine, tenant: str, num_requests: int, max_tokens: int = 30) -> None:
+    """tenant's requests, stepped until the batch is full (the rest wait)."""
+    for i in range(num_requests):
+        engine.add_request(f"{tenant}-{i}", [1, 2, 3, 4], params(max_tokens), Scheduling(0, tenant))
+    while len(engine.scheduler.running) < min(num_requests, engine.config.max_num_seqs):
+        engine.step()
+    engine.step()
+
+
+def running_by_tenant(engine: LLMEngine) -> Counter:
+    return Counter(seq.tenant for seq in engine.scheduler.running)
+
+
+def test_a_tenant_short_of_its_share_is_prefilled_in_a_step_of_its_own_taking_the_newest_slot(tiny_gpt2_dir):
+    engine = make_engine(tiny_gpt2_dir, "fair", max_num_seqs=4)
+    fill_batch(engine, "heavy", 6)
+    newest = engine.scheduler.running[-1].request_id
+    engine.add_request("light", [5, 6, 7], params(4), Scheduling(0, "light"))
+    outputs = engine.step()
+    assert [o.request_id for o in outputs] == ["light"]  # no heavy decode in its step
+    assert engine.step_log.drain()[-1].num_tokens == 3
+    assert running_by_tenant(engine) == {"heavy": 3, "light": 1}
+    assert newest in {s.request_id for s in engine.scheduler.waiting} and engine.scheduler.num_preemptions == 1
+    engine.check_integrity()
+    assert {o.request_id for o in engine.step()} == {"light", *(s.request_id for s in engine.scheduler.running)}
+    finish_order(engine)
+    assert_idle_and_intact(engine)
+
+
+def test_a_weighted_tenant_takes_its_share_of_the_slots_at_once_and_keeps_them(tiny_gpt2_dir):
+    engine = make_engine(tiny_gpt2_dir, "fair", max_num_seqs=4)
+    fill_batch(engine, "a", 6)
+    for i in range(5):
+        engine.add_request(f"b-{i}", [5, 6, 7], params(30), Scheduling(0, "b", 3.0))
+    assert {o.request_id for o in engine.step()} == {"b-0", "b-1", "b-2"}
+    assert running_by_tenant(engine) == {"a": 1, "b": 3}  # shares of 4 slots by weight 1:3
+    for _ in range(10):
+        engine.step()
+    assert engine.scheduler.num_preemptions == 3  # neither takes a slot back
+    finish_order(engine)
+    assert_idle_and_intact(engine)
+
+
+def test_a_tenant_at_its_share_waits_for_a_slot_like_any_other(tiny_gpt2_dir):
+    engine = make_engine(tiny_gpt2_dir, "fair", max_num_seqs=4)
+    for tenant in ("a", "b"):
+        for i in range(2):
+            engine.add_request(f"{tenant}-{i}", [1, 2, 3, 4], params(30), Scheduling(0, tenant))
+    engine.step()
+    engine.add_request("b-late", [5, 6, 7], params(4), Scheduling(0, "b"))
+    assert {o.request_id for o in engine.step()} == {"a-0", "a-1", "b-0", "b-1"}
+    assert engine.scheduler.num_preemptions == 0
+    finish_order(engine)
+    assert_idle_and_intact(engine)
+
+
+def test_one_tenant_under_fair_never_goes_ahead_of_its_own_batch(tiny_gpt2_dir):
+    engine = make_engine(tiny_gpt2_dir, "fair", max_num_seqs=4)
+    fill_batch(engine, "solo", 2)
+    engine.add_request("solo-late", [5, 6, 7], params(4), Scheduling(0, "solo"))
+    assert {o.request_id for o in engine.step()} == {"solo-0", "solo-1", "solo-late"}  # one step, decodes beside it
+    assert engine.scheduler.num_preemptions == 0
+    finish_order(engine)
+    assert_idle_and_intact(engine)

@@ -7,7 +7,11 @@ between tenants (EngineConfig.scheduling_policy).
     fair       the virtual token counter (Sheng et al., "Fairness in Serving Large Language
                Models", OSDI 2024): the next request comes from the backlogged tenant with
                the least service so far (prompt tokens computed plus tokens generated,
-               divided by its weight); priority orders each tenant's own line
+               divided by its weight); priority orders each tenant's own line. While a
+               tenant runs more sequences than its share of the batch's slots (by weight,
+               among the tenants with work live), one running fewer goes ahead: the
+               scheduler prefills its request in a step of its own, taking where the batch
+               is full the slot of a sequence whose tenant keeps its own share without it
 
 A tenant that becomes backlogged has its counter lifted to the least counter of those
 backlogged already (or, with none, to that of the tenant whose request left the line last),
@@ -74,6 +78,14 @@ class FcfsQueue:
     def victim_key(self, seq: Sequence) -> tuple:
         return ()  # every running sequence alike: the newest admitted goes first
 
+    def underserved_head(self, num_slots: int) -> Sequence | None:
+        """The next waiting request to go ahead of the running batch: none but under fair."""
+        return None
+
+    def slot_victim(self, running: list[Sequence], num_slots: int) -> Sequence | None:
+        """The running sequence to give its slot to underserved_head's: none but under fair."""
+        return None
+
 
 class PriorityQueue(FcfsQueue):
     """Lower priority first, arrival order among equals; a sequence goes back to its place."""
@@ -102,6 +114,7 @@ class FairQueue:
         self._lines: dict[str, PriorityQueue] = {}  # backlogged tenants only
         self.counters: dict[str, float] = {}
         self._live: dict[str, int] = {}  # sequences per tenant, waiting or running
+        self._weights: dict[str, float] = {}  # of the tenants in _live
         self._idle: OrderedDict[str, None] = OrderedDict()  # tenants with none, oldest first
         self._last_left = 0.0  # the counter of the tenant whose request last left the line
 
@@ -115,6 +128,7 @@ class FairQueue:
     def add(self, seq: Sequence) -> None:
         tenant = seq.tenant
         self._live[tenant] = self._live.get(tenant, 0) + 1
+        self._weights[tenant] = seq.weight
         self._idle.pop(tenant, None)
         if tenant not in self._lines:
             self.counters[tenant] = max(self.counters.get(tenant, 0.0), self._floor())
@@ -146,7 +160,7 @@ class FairQueue:
         self._live[tenant] -= 1
         if self._live[tenant]:
             return
-        del self._live[tenant]
+        del self._live[tenant], self._weights[tenant]
         self._idle[tenant] = None
         while len(self._idle) > MAX_IDLE_TENANTS:
             del self.counters[self._idle.popitem(last=False)[0]]
@@ -160,6 +174,30 @@ class FairQueue:
 
     def victim_key(self, seq: Sequence) -> tuple[float, int, int]:
         return self.counters[seq.tenant], *_rank(seq)
+
+    def underserved_head(self, num_slots: int) -> Sequence | None:
+        """The head of the least-served backlogged tenant that runs at least one sequence
+        fewer than its share of num_slots, while another runs at least one more than its own
+        (with one tenant, or shares kept, nobody goes ahead)."""
+        if not any(self._num_over_share(t, num_slots) >= 1 for t in self._live):
+            return None
+        tenants = [t for t in self._lines if self._num_over_share(t, num_slots) <= -1]
+        if not tenants:
+            return None
+        return self._lines[min(tenants, key=lambda t: (self.counters[t], self._lines[t].peek().arrival_index))].peek()
+
+    def slot_victim(self, running: list[Sequence], num_slots: int) -> Sequence | None:
+        """The lowest-ranked (newest) sequence of the tenant furthest over its share, where
+        that tenant runs at least one more than its share: after it leaves, neither tenant
+        has cause to take the slot back."""
+        over = {tenant: self._num_over_share(tenant, num_slots) for tenant in {s.tenant for s in running}}
+        candidates = [s for s in running if over[s.tenant] >= 1]
+        return max(candidates, key=lambda s: (over[s.tenant], *_rank(s)), default=None)
+
+    def _num_over_share(self, tenant: str, num_slots: int) -> float:
+        """The sequences tenant runs past its share of num_slots (negative: short of it)."""
+        num_running = self._live[tenant] - len(self._lines.get(tenant, ()))
+        return num_running - num_slots * self._weights[tenant] / sum(self._weights.values())
 
     def _line(self, tenant: str) -> PriorityQueue:
         if tenant not in self._lines:

@@ -10,6 +10,9 @@ free, the newest not-yet-scheduled running sequence is preempted: its blocks are
 it goes back to the front of the waiting queue, to be recomputed later. Under the priority
 and fair policies the victim is the lowest-ranked one instead, and a waiting request that
 finds the batch full preempts running ones it outranks (recompute, as vLLM's priority policy).
+Under the fair policy a tenant running fewer sequences than its share of the slots, while
+another runs more, has its waiting requests prefilled in a step of their own before the
+batch's decodes, taking where the batch is full the newest slot of the tenant over its share.
 
 A waiting prompt whose leading blocks another prompt is computing right now (admitted this
 step, or prefilling in chunks) and no cache holds yet waits, in its place in the queue, until
@@ -76,6 +79,35 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         self._preempt_for_waiting()
+        batch = self._schedule_ahead()
+        if batch.is_empty:
+            batch = self._schedule_step()
+        for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
+            self.waiting.charge(seq, num_new)
+        return batch
+
+    def _schedule_ahead(self) -> ScheduledBatch:
+        """The fair policy's tenants short of their share of the slots (queue_policy.py) have
+        their waiting requests prefilled in a step of their own, before the running decodes:
+        a first token after one short step rather than a full batch's. Where the batch is
+        full, each takes the slot of a sequence the policy names (preempted, recomputed later)."""
+        batch, budget = ScheduledBatch(), self.max_num_batched_tokens
+        while budget > 0 and (seq := self.waiting.underserved_head(self.max_num_seqs)) is not None:
+            if len(self.running) >= self.max_num_seqs and not self._free_slot():
+                break
+            if not self._admit(seq, batch, budget):
+                break
+            budget -= batch.num_new_tokens[-1]
+        return batch
+
+    def _free_slot(self) -> bool:
+        victim = self.waiting.slot_victim(self.running, self.max_num_seqs)
+        if victim is not None:
+            self._preempt(victim)
+        return victim is not None
+
+    def _schedule_step(self) -> ScheduledBatch:
+        """Running decodes, running prefills, then waiting requests in the policy's order."""
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         # Decodes (one token left to compute) before prefills still in progress.
@@ -98,8 +130,6 @@ class Scheduler:
             in_flight.update(self._uncommitted_prompt_blocks(seq))
         for seq in reversed(deferred):
             self.waiting.requeue(seq)
-        for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
-            self.waiting.charge(seq, num_new)
         return batch
 
     def _preempt_for_waiting(self) -> None:

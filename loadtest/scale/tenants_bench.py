@@ -12,6 +12,10 @@ Phases, each for --duration-s:
     flood           both at once, and a `priority: -10` probe from the light key, one at a time
     both saturate   each tenant keeps --heavy-streams streams open: Jain's index of their tokens/s
 
+A phase's tokens/s counts the tokens received inside its window, a stream's spread evenly from
+its first token to its last (streams still open when the window closes end after it, and their
+tokens past it are not the phase's). The light tenant's and the probe's TTFT come with the
+server's account of it (`server_timing`: tokenize, queue wait, prefill, and its own TTFT).
 A 429 is the tenant's own waiting bound; any other failure is counted apart (the goal is none).
 """
 
@@ -38,20 +42,39 @@ PROBE_PRIORITY = -10
 class TenantRun:
     """What one tenant's loop saw in one phase."""
 
+    start: float  # the phase's window, perf_counter seconds
+    until: float
     records: list[StreamRecord] = field(default_factory=list)
 
     def ttft_p50_s(self) -> float | None:
         ttfts = [r.ttft_s for r in self.records if r.is_ok and r.ttft_s is not None]
         return statistics.median(ttfts) if ttfts else None
 
-    def tokens(self) -> int:
-        return sum(r.output_tokens for r in self.records if r.is_ok)
+    def server_timing_p50_ms(self) -> dict[str, float]:
+        """The median of each of the server's TTFT parts, over the streams that reported them."""
+        timings = [r.server_timing for r in self.records if r.is_ok and r.server_timing]
+        keys = sorted({key for timing in timings for key in timing})
+        return {key: round(statistics.median(t[key] for t in timings if key in t), 1) for key in keys}
+
+    def tokens_per_s(self) -> float:
+        return sum(_tokens_within(r, self.start, self.until) for r in self.records if r.is_ok) / (self.until - self.start)
 
     def num_429(self) -> int:
         return sum(1 for r in self.records if r.error and r.error.startswith("HTTP 429"))
 
     def num_failed(self) -> int:
         return sum(1 for r in self.records if r.error and not r.error.startswith("HTTP 429"))
+
+
+def _tokens_within(record: StreamRecord, start: float, until: float) -> float:
+    """record's tokens received inside [start, until], spread evenly from its first to its last."""
+    first, last = record.first_content_at, record.last_content_at
+    if first is None or last is None:
+        return 0.0
+    if last == first:
+        return record.output_tokens if start <= first <= until else 0.0
+    overlap = max(0.0, min(last, until) - max(first, start))
+    return record.output_tokens * overlap / (last - first)
 
 
 @dataclass(frozen=True)
@@ -98,28 +121,32 @@ async def run_phases(args: argparse.Namespace) -> dict:
     phases["both saturate"] = await _phase(d, {"heavy": (heavy, n), "light": (light_saturating, n)})
     for tenant in (heavy, light, probe, light_saturating):
         await tenant.client.aclose()
-    return summarize(phases, d)
+    return summarize(phases)
 
 
 async def _phase(duration_s: float, loops: dict[str, tuple[Tenant, int]]) -> dict[str, TenantRun]:
-    runs = {name: TenantRun() for name in loops}
-    until = time.perf_counter() + duration_s
+    start = time.perf_counter()
+    until = start + duration_s
+    runs = {name: TenantRun(start, until) for name in loops}
     await asyncio.gather(*(closed_loop(tenant, n, until, runs[name]) for name, (tenant, n) in loops.items()))
     return runs
 
 
-def summarize(phases: dict[str, dict[str, TenantRun]], duration_s: float) -> dict:
-    light_alone = phases["light alone"]["light"].ttft_p50_s()
+def summarize(phases: dict[str, dict[str, TenantRun]]) -> dict:
+    light_alone = phases["light alone"]["light"]
     flood = phases["flood"]
-    heavy_alone_tps = phases["heavy alone"]["heavy"].tokens() / duration_s
-    saturated = [run.tokens() / duration_s for run in phases["both saturate"].values()]
+    saturated = {name: run.tokens_per_s() for name, run in phases["both saturate"].items()}
     return {
-        "light_ttft_p50_alone_s": light_alone,
+        "light_ttft_p50_alone_s": light_alone.ttft_p50_s(),
         "light_ttft_p50_flood_s": flood["light"].ttft_p50_s(),
         "probe_ttft_p50_flood_s": flood["probe"].ttft_p50_s(),
-        "heavy_tok_s_alone": heavy_alone_tps,
-        "heavy_tok_s_flood": flood["heavy"].tokens() / duration_s,
-        "jain_index_saturated": jain_index(saturated),
+        "server_timing_p50_ms": {"light alone": light_alone.server_timing_p50_ms(),
+                                 "light flood": flood["light"].server_timing_p50_ms(),
+                                 "probe flood": flood["probe"].server_timing_p50_ms()},
+        "heavy_tok_s_alone": phases["heavy alone"]["heavy"].tokens_per_s(),
+        "heavy_tok_s_flood": flood["heavy"].tokens_per_s(),
+        "tok_s_saturated": saturated,
+        "jain_index_saturated": jain_index(list(saturated.values())),
         "num_429": {f"{p}/{t}": run.num_429() for p, runs in phases.items() for t, run in runs.items()},
         "num_failed_not_429": sum(run.num_failed() for runs in phases.values() for run in runs.values()),
     }
