@@ -23,7 +23,7 @@ from deployments.replicas.cpu_binding import ReplicaCores
 from deployments.api.engine_client import EngineStatus
 from deployments.routing.engine_load import EngineLoad
 from deployments.replicas.hooks import ReplicaHooks
-from deployments.observability.logs import route_logs_to_serve
+from deployments.observability.logs import quiet_answered_refusals, route_logs_to_serve
 from deployments.observability.metrics import EngineMetricsReporter
 from engine import EngineConfig, GenerationChunk, ModelInfo, SamplingParams
 from engine.model.progress import progress
@@ -42,6 +42,7 @@ class EngineReplica:
 
     def __init__(self, config: EngineConfig, max_chunks_per_s: ChunkBudget = "auto", cpu_bind: str = "nobind") -> None:
         route_logs_to_serve("engine")
+        quiet_answered_refusals()
         chunks_per_s = chunk_budget.resolve(max_chunks_per_s)  # before binding narrows this process's CPUs
         logger.info("streaming at most %s chunks/s across all streams (max_chunks_per_s: %s)", chunks_per_s,
                     max_chunks_per_s)

@@ -36,6 +36,7 @@ from loadtest.client.workload import Workload
 
 PROMPT = "The history of the city begins with"
 PROBE_PRIORITY = -10
+RETRY_AFTER_S = 1.0  # what rayinfer's 429s say (Retry-After: 1); vLLM's server queues instead
 
 
 @dataclass
@@ -88,10 +89,16 @@ class Tenant:
 
 
 async def closed_loop(tenant: Tenant, num_streams: int, until: float, run: TenantRun) -> None:
-    """num_streams streams kept open until `until` (perf_counter), each sending again as it ends."""
+    """num_streams streams kept open until `until` (perf_counter), each sending again as it
+    ends, or after RETRY_AFTER_S where it was refused with a 429, as clients do (the openai
+    SDK waits what Retry-After says): a client resending at once spends the server's CPU on
+    refusals."""
     async def stream() -> None:
         while time.perf_counter() < until:
-            run.records.append(await tenant.send())
+            record = await tenant.send()
+            run.records.append(record)
+            if record.error and record.error.startswith("HTTP 429"):
+                await asyncio.sleep(RETRY_AFTER_S)
     await asyncio.gather(*(stream() for _ in range(num_streams)))
 
 
