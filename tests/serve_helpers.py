@@ -107,6 +107,11 @@ def wait_for_exit(pids: list[int], timeout_s: float = 20) -> list[int]:
     return alive
 
 
+def ray_logs_dir() -> Path:
+    """The logs of the Ray cluster this process is connected to."""
+    return Path(ray._private.worker._global_node.get_session_dir_path()) / "logs"
+
+
 def descendants() -> list[psutil.Process]:
     return psutil.Process().children(recursive=True)
 
@@ -185,11 +190,12 @@ def shared_serve() -> ServeInstance:
     global _shared, _shared_reaper
     if _shared is None:
         port, metrics_port = free_port(), free_port()
-        _shared_reaper = contextlib.ExitStack()
-        _shared_reaper.enter_context(reaped(shut_serve_and_ray, "the shared serve.shutdown() and ray.shutdown()"))
-        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-                 _metrics_export_port=metrics_port, _system_config={"metrics_report_interval_ms": 500})
-        serve.start(http_options={"host": "127.0.0.1", "port": port}, controller_options=CONTROLLER_OPTIONS)
+        with contextlib.ExitStack() as reaper:
+            reaper.enter_context(reaped(shut_serve_and_ray, "the shared serve.shutdown() and ray.shutdown()"))
+            ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+                     _metrics_export_port=metrics_port, _system_config={"metrics_report_interval_ms": 500})
+            serve.start(http_options={"host": "127.0.0.1", "port": port}, controller_options=CONTROLLER_OPTIONS)
+            _shared_reaper = reaper.pop_all()  # kept until release; a failed start is shut down here
         _shared = ServeInstance(port, metrics_port)
     return _shared
 

@@ -27,7 +27,7 @@ from tests.http_helpers import (
     MODEL, PROMPTS, Stream, assert_idle_and_intact, assert_openai_error, greedy, health_of, run_async, until, wait_for,
     wait_until_idle,
 )
-from tests.serve_helpers import replica_process, running_app, tiny_app_args
+from tests.serve_helpers import ray_logs_dir, replica_process, running_app, tiny_app_args
 
 pytestmark = pytest.mark.serve
 
@@ -534,7 +534,7 @@ def test_prompts_and_keys_never_reach_the_logs(base_url: str, http: httpx.Client
         next(response.iter_lines())
     wait_until_idle(http)
     time.sleep(1)  # log handlers flush
-    logs_dir = Path(ray._private.worker._global_node.get_session_dir_path()) / "logs"
+    logs_dir = ray_logs_dir()
     files = [f for f in logs_dir.rglob("*") if f.is_file()]
     assert any("serve" in f.parts for f in files)
     leaks = [str(f) for f in files if secret.encode() in f.read_bytes() or API_KEY.encode() in f.read_bytes()]

@@ -14,13 +14,12 @@ from pathlib import Path
 
 import httpx
 import pytest
-import ray
 
 from deployments.app import make_app
 from tests.http_helpers import (
     PROMPTS, Stream, assert_idle_and_intact, assert_openai_error, greedy, until,
 )
-from tests.serve_helpers import running_app, tiny_app_args
+from tests.serve_helpers import ray_logs_dir, running_app, tiny_app_args
 
 pytestmark = pytest.mark.serve
 
@@ -120,7 +119,7 @@ def test_a_flooding_tenant_gets_429s_while_the_others_requests_are_admitted(base
         assert (stream.status, stream.payloads[-1], stream.error) == (200, "[DONE]", None)
     # a 429 is an answer: no traceback for it in the engine replica's log
     time.sleep(1)  # log handlers flush
-    logs = Path(ray._private.worker._global_node.get_session_dir_path()) / "logs" / "serve"
+    logs = ray_logs_dir() / "serve"
     engine_logs = [f.read_text(errors="replace") for f in logs.glob(f"replica_{APP}_EngineDeployment_*.log")]
     assert engine_logs and not any("EngineOverloadedError" in text for text in engine_logs)
 

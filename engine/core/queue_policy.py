@@ -179,9 +179,10 @@ class FairQueue:
         """The head of the least-served backlogged tenant that runs at least one sequence
         fewer than its share of num_slots, while another runs at least one more than its own
         (with one tenant, or shares kept, nobody goes ahead)."""
-        if not any(self._num_over_share(t, num_slots) >= 1 for t in self._live):
+        over = self._over_shares(num_slots)
+        if max(over.values(), default=0.0) < 1:
             return None
-        tenants = [t for t in self._lines if self._num_over_share(t, num_slots) <= -1]
+        tenants = [t for t in self._lines if over[t] <= -1]
         if not tenants:
             return None
         return self._lines[min(tenants, key=lambda t: (self.counters[t], self._lines[t].peek().arrival_index))].peek()
@@ -190,14 +191,16 @@ class FairQueue:
         """The lowest-ranked (newest) sequence of the tenant furthest over its share, where
         that tenant runs at least one more than its share: after it leaves, neither tenant
         has cause to take the slot back."""
-        over = {tenant: self._num_over_share(tenant, num_slots) for tenant in {s.tenant for s in running}}
+        over = self._over_shares(num_slots)
         candidates = [s for s in running if over[s.tenant] >= 1]
         return max(candidates, key=lambda s: (over[s.tenant], *_rank(s)), default=None)
 
-    def _num_over_share(self, tenant: str, num_slots: int) -> float:
-        """The sequences tenant runs past its share of num_slots (negative: short of it)."""
-        num_running = self._live[tenant] - len(self._lines.get(tenant, ()))
-        return num_running - num_slots * self._weights[tenant] / sum(self._weights.values())
+    def _over_shares(self, num_slots: int) -> dict[str, float]:
+        """The sequences each live tenant runs past its share of num_slots (negative: short
+        of it), the total weight summed once: the scheduler asks every step."""
+        total_weight = sum(self._weights.values())
+        return {tenant: num_live - len(self._lines.get(tenant, ())) - num_slots * self._weights[tenant] / total_weight
+                for tenant, num_live in self._live.items()}
 
     def _line(self, tenant: str) -> PriorityQueue:
         if tenant not in self._lines:

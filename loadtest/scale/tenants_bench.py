@@ -61,10 +61,15 @@ class TenantRun:
         return sum(_tokens_within(r, self.start, self.until) for r in self.records if r.is_ok) / (self.until - self.start)
 
     def num_429(self) -> int:
-        return sum(1 for r in self.records if r.error and r.error.startswith("HTTP 429"))
+        return sum(1 for r in self.records if _refused(r))
 
     def num_failed(self) -> int:
-        return sum(1 for r in self.records if r.error and not r.error.startswith("HTTP 429"))
+        return sum(1 for r in self.records if r.error and not _refused(r))
+
+
+def _refused(record: StreamRecord) -> bool:
+    """A 429: the tenant's own waiting bound."""
+    return bool(record.error) and record.error.startswith("HTTP 429")
 
 
 def _tokens_within(record: StreamRecord, start: float, until: float) -> float:
@@ -97,7 +102,7 @@ async def closed_loop(tenant: Tenant, num_streams: int, until: float, run: Tenan
         while time.perf_counter() < until:
             record = await tenant.send()
             run.records.append(record)
-            if record.error and record.error.startswith("HTTP 429"):
+            if _refused(record):
                 await asyncio.sleep(RETRY_AFTER_S)
     await asyncio.gather(*(stream() for _ in range(num_streams)))
 
