@@ -57,6 +57,8 @@ def rows(checkpoint: str, tiny_checkpoint: str, venvs: str) -> list[Row]:
                                 "--engine", "num_kv_blocks=288"]),
         Row("scale", "hot", [*scale, "--workload", "hot", "--concurrency", "16", "--num-requests", "192"]),
         Row("scale", "free", [*scale, "--workload", "free", "--concurrency", "16", "--num-requests", "128"]),
+        Row("startup", "cold-vs-vllm", [PY, "-m", "loadtest.peers.startup_time", "--config", "configs/gpt2.yaml",
+                                        "--cold", "--runs", "2", "--vllm-checkpoint", checkpoint], needs="vllm"),
         Row("startup", "warm-vs-vllm", [PY, "-m", "loadtest.peers.startup_time", "--config", "configs/gpt2.yaml",
                                         "--runs", "3", "--vllm-checkpoint", checkpoint], needs="vllm"),
         Row("clients", "lm-eval", [PY, "-m", "loadtest.lmeval_check", tiny_checkpoint, "--lm-eval",
