@@ -70,6 +70,13 @@ class BuildKernels(BuildExtension):
 
     command_name = "build_ext"  # the warnings' prefix, not with_options' class's name
 
+    def finalize_options(self) -> None:
+        super().finalize_options()
+        # Each ISA's library is one translation unit (csrc/kernels.cpp): built side by side,
+        # each its own compiler process, rather than one after another.
+        if not self.parallel:
+            self.parallel = True
+
     def run(self) -> None:
         if self.inplace:  # an editable install's: set before run() builds elsewhere and copies back
             self._clear_stale_libraries()
@@ -91,7 +98,7 @@ class BuildKernels(BuildExtension):
             return
         try:
             super().build_extension(ext)
-        except Exception as exc:  # noqa: BLE001 - ninja's failed compile raises a RuntimeError
+        except Exception as exc:  # noqa: BLE001 - a failed compile raises distutils' CompileError
             self.warn(f"{ext.name} was not built ({exc}); the engine builds it at its first start "
                       "where it is this CPU's, or runs torch's ops where it cannot")
 
@@ -104,5 +111,6 @@ class BuildKernels(BuildExtension):
                 stale.unlink()
 
 
+# No ninja: a library is one translation unit, and side-by-side builds would share its build file.
 setup(ext_modules=extensions(kernel_sources()),
-      cmdclass={"build_ext": BuildKernels.with_options(no_python_abi_suffix=True)})
+      cmdclass={"build_ext": BuildKernels.with_options(no_python_abi_suffix=True, use_ninja=False)})

@@ -25,7 +25,7 @@ namespace {
 
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kLanes = Vec::size();
-constexpr int kTileRows = 6;
+constexpr int kF32TileRows = 6;
 
 struct F32Tail {
   const float* bias;   // [N] or null
@@ -97,14 +97,14 @@ at::Tensor blocked_linear_f32(const at::Tensor& x, const at::Tensor& panels, int
   const F32Tail t{bias, kind, other, n};
   // The rows in as few tiles as fit, as even as can be (16: 6, 5, 5, not 6, 6, 4): a tile's
   // pass over a panel costs its FMAs, and a short tile's too few to hide their latency.
-  const int64_t num_tiles = (rows + kTileRows - 1) / kTileRows, base = rows / num_tiles, extra = rows % num_tiles;
+  const int64_t num_tiles = (rows + kF32TileRows - 1) / kF32TileRows, base = rows / num_tiles, extra = rows % num_tiles;
   at::parallel_for(0, num_panels, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       const float* panel = wp + p * k_dim * 2 * kLanes;
       const float* next = p + 1 < num_panels ? panel + k_dim * 2 * kLanes : panel;
       for (int64_t i = 0, row0 = 0; i < num_tiles; ++i) {
         const int64_t tile_rows_i = base + (i < extra);
-        tile_rows<kTileRows>(xp, panel, next, k_dim, yp, row0, tile_rows_i, p * 2 * kLanes, t);
+        tile_rows<kF32TileRows>(xp, panel, next, k_dim, yp, row0, tile_rows_i, p * 2 * kLanes, t);
         row0 += tile_rows_i;
       }
     }

@@ -16,6 +16,7 @@
 
 #include "paged_keys.h"
 
+namespace rayinfer::attention {
 namespace {
 
 constexpr int64_t kMinChunkRows = 16;
@@ -157,3 +158,4 @@ void attend_chunk(const Task<T>& task, int64_t rows, int64_t query_row, float sc
 }
 
 }  // namespace
+}  // namespace rayinfer::attention

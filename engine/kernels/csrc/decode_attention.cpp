@@ -23,6 +23,7 @@
 #include "chunk_attention.h"
 #include "paged_keys.h"
 
+namespace rayinfer::attention {
 namespace {
 
 template <typename T>
@@ -230,10 +231,11 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
 }
 
 }  // namespace
+}  // namespace rayinfer::attention
 
 TORCH_LIBRARY_FRAGMENT(rayinfer, m) {
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor context_lens, Tensor? first_rows=None) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(rayinfer, CPU, m) { m.impl("decode_attention", &decode_attention); }
+TORCH_LIBRARY_IMPL(rayinfer, CPU, m) { m.impl("decode_attention", &rayinfer::attention::decode_attention); }

@@ -9,6 +9,7 @@
 
 #include <cstring>
 
+namespace rayinfer::kv_write {
 namespace {
 
 // rows [R, slots, D] (the pool viewed as its rows), new_kv [R, B, D], slot_mapping [B] int64:
@@ -39,7 +40,8 @@ void write_kv(at::Tensor rows, const at::Tensor& new_kv, const at::Tensor& slot_
 }
 
 }  // namespace
+}  // namespace rayinfer::kv_write
 
 TORCH_LIBRARY_FRAGMENT(rayinfer, m) { m.def("write_kv(Tensor(a!) rows, Tensor new_kv, Tensor slot_mapping) -> ()"); }
 
-TORCH_LIBRARY_IMPL(rayinfer, CPU, m) { m.impl("write_kv", &write_kv); }
+TORCH_LIBRARY_IMPL(rayinfer, CPU, m) { m.impl("write_kv", &rayinfer::kv_write::write_kv); }

@@ -10,7 +10,8 @@
 #include <algorithm>
 #include <cmath>
 
-// In an anonymous namespace, as before: each ISA's build of these kernels keeps its own copy.
+// In an anonymous namespace: each ISA's build of these kernels keeps its own copy.
+namespace rayinfer::attention {
 namespace {
 
 using Vec = at::vec::Vectorized<float>;
@@ -73,3 +74,4 @@ struct Task {
 };
 
 }  // namespace
+}  // namespace rayinfer::attention

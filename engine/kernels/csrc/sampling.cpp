@@ -23,6 +23,7 @@
 #include <tuple>
 #include <vector>
 
+namespace rayinfer::sampling {
 namespace {
 
 using Vec = at::vec::Vectorized<float>;
@@ -215,6 +216,7 @@ std::tuple<at::Tensor, at::Tensor> draw(const at::Tensor& logits, const at::Tens
 }
 
 }  // namespace
+}  // namespace rayinfer::sampling
 
 TORCH_LIBRARY_FRAGMENT(rayinfer, m) {
   m.def("draw(Tensor logits, Tensor temperatures, Tensor uniforms) -> (Tensor, Tensor)");
@@ -222,6 +224,6 @@ TORCH_LIBRARY_FRAGMENT(rayinfer, m) {
 }
 
 TORCH_LIBRARY_IMPL(rayinfer, CPU, m) {
-  m.impl("draw", &draw);
-  m.impl("argmax", &argmax);
+  m.impl("draw", &rayinfer::sampling::draw);
+  m.impl("argmax", &rayinfer::sampling::argmax);
 }

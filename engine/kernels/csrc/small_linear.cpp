@@ -31,6 +31,7 @@ at::Tensor blocked_linear_f32(const at::Tensor& x, const at::Tensor& panels, int
 constexpr int64_t kMaxBlockedRows = 64;
 }  // namespace rayinfer
 
+namespace rayinfer::small_linear {
 namespace {
 
 using Vec = at::vec::Vectorized<float>;
@@ -174,6 +175,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed_weight, const at
 }
 
 }  // namespace
+}  // namespace rayinfer::small_linear
 
 TORCH_LIBRARY_FRAGMENT(rayinfer, m) {
   m.def("linear(Tensor x, Tensor packed_weight, Tensor weight, Tensor? bias, str epilogue=\"none\", "
@@ -181,5 +183,5 @@ TORCH_LIBRARY_FRAGMENT(rayinfer, m) {
 }
 
 // fp32 weights pack into an MKLDNN-layout tensor, which dispatches on its own key.
-TORCH_LIBRARY_IMPL(rayinfer, CPU, m) { m.impl("linear", &linear); }
-TORCH_LIBRARY_IMPL(rayinfer, MkldnnCPU, m) { m.impl("linear", &linear); }
+TORCH_LIBRARY_IMPL(rayinfer, CPU, m) { m.impl("linear", &rayinfer::small_linear::linear); }
+TORCH_LIBRARY_IMPL(rayinfer, MkldnnCPU, m) { m.impl("linear", &rayinfer::small_linear::linear); }
