@@ -22,6 +22,7 @@ import statistics
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,16 +61,6 @@ def time_start(command: list[str], url: str, model: str, log_path: Path, timeout
             stop(process)
 
 
-def wait_for_line(process: subprocess.Popen, log_path: Path, line: bytes, start: float, timeout_s: float) -> float:
-    while time.monotonic() - start < timeout_s:
-        if line in log_path.read_bytes():
-            return time.monotonic() - start
-        if process.poll() is not None:
-            raise RuntimeError(f"{process.args[0]} exited before logging {line.decode()!r}")
-        time.sleep(POLL_S)
-    raise TimeoutError(f"no {line.decode()!r} within {timeout_s:.0f} s")
-
-
 def cold_env(base: dict[str, str], root: Path) -> dict[str, str]:
     """`base` with empty compile caches under `root`: inductor's (ours, and torch's in vLLM) and vLLM's own."""
     (root / "inductor").mkdir(parents=True)
@@ -79,16 +70,28 @@ def cold_env(base: dict[str, str], root: Path) -> dict[str, str]:
 
 def poll_until_answered(client: httpx.Client, process: subprocess.Popen, url: str, body: dict, start: float,
                         timeout_s: float) -> float:
-    while time.monotonic() - start < timeout_s:
-        if process.poll() is not None:
-            raise RuntimeError(f"{process.args[0]} exited with {process.returncode} before answering")
+    def answered() -> bool:
         try:
-            if client.post(url, json=body).status_code == 200:
-                return time.monotonic() - start
+            return client.post(url, json=body).status_code == 200
         except httpx.HTTPError:
-            pass  # not listening yet
+            return False  # not listening yet
+
+    return poll(process, answered, "answering", start, timeout_s)
+
+
+def wait_for_line(process: subprocess.Popen, log_path: Path, line: bytes, start: float, timeout_s: float) -> float:
+    return poll(process, lambda: line in log_path.read_bytes(), f"logging {line.decode()!r}", start, timeout_s)
+
+
+def poll(process: subprocess.Popen, is_done: Callable[[], bool], what: str, start: float, timeout_s: float) -> float:
+    """Seconds from `start` until `is_done()`, asked every POLL_S while `process` runs."""
+    while time.monotonic() - start < timeout_s:
+        if is_done():
+            return time.monotonic() - start
+        if process.poll() is not None:
+            raise RuntimeError(f"{process.args[0]} exited with {process.returncode} before {what}")
         time.sleep(POLL_S)
-    raise TimeoutError(f"no answer within {timeout_s:.0f} s")
+    raise TimeoutError(f"not {what} within {timeout_s:.0f} s")
 
 
 def time_runs(label: str, launch, num_warmup: int, num_runs: int) -> list[StartTiming]:

@@ -1,8 +1,9 @@
 // The one translation unit our kernels are compiled as: each kernel's file is included here,
 // so ATen's headers, ~6 s of each file's ~8 s compile on 2 cores, are parsed once per ISA
-// rather than once per file (engine/kernels/kernel_sources.py). Each file keeps its internals
-// in a namespace of its own, as anonymous namespaces would merge here; each registers its own
-// ops with TORCH_LIBRARY_FRAGMENT.
+// rather than once per file (engine/kernels/kernel_sources.py). Anonymous namespaces merge
+// here, so the attention, sampling, kv_write and small_linear kernels keep their internals in
+// a namespace of their own, and the two blocked linears' names differ; each file registers
+// its own ops with TORCH_LIBRARY_FRAGMENT.
 
 #include "blocked_linear.cpp"
 #include "blocked_linear_f32.cpp"
