@@ -21,6 +21,7 @@ import pytest
 import ray
 import yaml
 from ray import serve
+from ray.serve.schema import ServeDeploySchema
 
 from loadtest.client import serve_process
 
@@ -215,13 +216,48 @@ def running_app(app: serve.Application, name: str) -> Iterator[ServeInstance]:
     and each of its replica processes must have exited."""
     instance = shared_serve()
     serve.run(app, name=name, route_prefix="/")
-    try:
+    with deleted_at_exit(name):
         yield instance
+
+
+@contextlib.contextmanager
+def deleted_at_exit(name: str) -> Iterator[None]:
+    """Runs the block; then the app `name` is deleted and each of its replica processes must have exited."""
+    try:
+        yield
     finally:
         replicas = titled_processes(f"ServeReplica:{name}:")
         serve.delete(name)
         outlived = reap(replicas, timeout_s=30)
         assert outlived == [], f"replicas of {name} outlived serve.delete: {outlived}"
+
+
+def deploy_config(app_config: dict, timeout_s: float = READY_TIMEOUT_S) -> None:
+    """One application's config (a config file's `applications:` entry) applied to the shared
+    instance as `serve deploy` applies it, once it runs. Unlike serve.run, which makes every
+    call a new code version, a config that changes only num_replicas or a reconfigurable
+    option keeps the running replicas."""
+    shared_serve()
+    name = app_config["name"]
+    before = serve.status().applications.get(name)
+    serve.context._get_global_client().deploy_apps(ServeDeploySchema(applications=[app_config]))
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status = serve.status().applications.get(name)
+        deployed = status is not None and (before is None or status.last_deployed_time_s > before.last_deployed_time_s)
+        if deployed and status.status == "RUNNING":
+            return
+        assert status is None or status.status in ("NOT_STARTED", "DEPLOYING", "RUNNING"), status
+        assert time.monotonic() < deadline, f"{name} not running after {timeout_s}s: {status}"
+        time.sleep(0.5)
+
+
+@contextlib.contextmanager
+def running_config(app_config: dict) -> Iterator[ServeInstance]:
+    """As running_app, for an app deployed from its config (deploy_config)."""
+    deploy_config(app_config)
+    with deleted_at_exit(app_config["name"]):
+        yield _shared
 
 
 def serve_executable() -> str:

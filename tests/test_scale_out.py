@@ -25,13 +25,12 @@ import pytest
 import ray
 from ray import serve
 
-from deployments.app import make_app
 from deployments.replicas.hooks import LOAD_LOG_DIR_ENV, read_load_logs
 from deployments.routing.prefix_routing import prefix_key, rendezvous_order
 from engine import SamplingParams
 from loadtest.scale.load_balance import arrival_loads
 from tests.http_helpers import wait_for
-from tests.serve_helpers import replica_processes, running_app
+from tests.serve_helpers import deploy_config, replica_processes, running_config
 from tests.test_observability import scrape_until
 
 pytestmark = pytest.mark.serve
@@ -72,9 +71,14 @@ def app_args(tiny_gpt2_dir: Path, load_log_dir: Path | None = None) -> dict:
             "engine": {"num_kv_blocks": 256, "max_num_seqs": 32, "max_num_batched_tokens": 512, "compile_decode": False}}
 
 
-def engine_options(num_replicas: int, router: dict = ROUTER) -> dict:
-    return {"EngineDeployment": {"num_replicas": num_replicas, "request_router_config": router,
-                                 "graceful_shutdown_timeout_s": 5}}
+def app_config(tiny_gpt2_dir: Path, load_log_dir: Path, num_replicas: int, router: dict = ROUTER) -> dict:
+    """The app as a config file declares it (configs/scale-out.yaml's shape): deployed as
+    `serve deploy` applies one, a later config that changes only num_replicas or the request
+    router adds, removes or reconfigures replicas in place and the others keep running."""
+    engine = {"name": "EngineDeployment", "num_replicas": num_replicas, "request_router_config": router,
+              "graceful_shutdown_timeout_s": 5}
+    return {"name": APP, "route_prefix": "/", "import_path": "deployments.app:build_app",
+            "args": app_args(tiny_gpt2_dir, load_log_dir), "deployments": [engine]}
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +90,7 @@ def load_log_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(tiny_gpt2_dir: Path, load_log_dir: Path) -> Iterator[tuple[str, str]]:
-    with running_app(make_app(app_args(tiny_gpt2_dir, load_log_dir), engine_options(2)), APP) as instance:
+    with running_config(app_config(tiny_gpt2_dir, load_log_dir, 2)) as instance:
         yield instance.url, instance.metrics_url
 
 
@@ -208,18 +212,18 @@ def test_two_routers_in_two_processes_agree_on_affinity_and_together_stay_within
     """Each router sees only its own requests at once and the replicas' last counts: each
     prefix still lands on one replica whichever process routes it, and a burst from both
     at once stays within the bound, since each bounds its own share."""
-    check_two_routers(random.Random(4), list(engine_replicas()), load_log_dir, num_prefixes=6, decode_token_cost=None)
+    check_two_routers(random.Random(4), list(engine_replicas()), load_log_dir, decode_token_cost=None)
 
 
-def check_two_routers(rng: random.Random, replica_ids: list[str], load_log_dir: Path, num_prefixes: int,
+def check_two_routers(rng: random.Random, replica_ids: list[str], load_log_dir: Path,
                       decode_token_cost: float | None) -> None:
-    """Two Callers: sequential requests on each prefix, on idle replicas, all go to its first
-    choice; then a burst of 12 from each on one prefix: most at home, some spilled, and (by
-    the replicas' load logs, in requests or in work) no arrival lastingly past the bound."""
+    """Two Callers: sequential requests on a prefix homed on each replica, on idle replicas,
+    all go to its first choice; then a burst of 12 from each on one prefix: most at home, some
+    spilled, and (by the replicas' load logs, in requests or in work) no arrival lastingly
+    past the bound."""
     callers = [Caller.remote(), Caller.remote()]
-    for _ in range(num_prefixes):
-        prefix = random_prompt(rng, 5 * BLOCK)
-        first_choice = rendezvous_order(prefix_key(prefix, BLOCK, KEY_BLOCKS), replica_ids)[0]
+    for first_choice in replica_ids:
+        prefix = prompt_homed_on(rng, replica_ids, first_choice, 5 * BLOCK)
         for caller in callers + callers:
             # Idle replicas as every router sees them: a report Serve polled while the last
             # request was still queued counts it until a later report reaches the router.
@@ -255,10 +259,12 @@ def test_replicas_added_and_removed_mid_run_keep_cached_keys_and_take_new_ones_w
     rng = random.Random(2)
     prefixes = [random_prompt(rng, 5 * BLOCK) for _ in range(8)]
     traffic = Traffic(base_url, prefixes)
+    replica_ids = list(engine_replicas())
     for num_replicas in (3, 2):  # one added, then one removed
         with traffic.running():
             redeploy(tiny_gpt2_dir, load_log_dir, num_replicas)
-            replica_ids = wait_for_replicas(num_replicas)
+            before, replica_ids = replica_ids, wait_for_replicas(num_replicas)
+        assert len(set(before) & set(replica_ids)) == 2  # the others kept running, their caches too
         check_keys_stay(base_url, prefixes, replica_ids)
         fresh = [random_prompt(rng, 5 * BLOCK) for _ in range(24)]
         homes = {rendezvous_order(prefix_key(prefix, BLOCK, KEY_BLOCKS), replica_ids)[0] for prefix in fresh}
@@ -309,8 +315,7 @@ class Traffic:
 
 
 def redeploy(tiny_gpt2_dir: Path, load_log_dir: Path, num_replicas: int, router: dict = ROUTER) -> None:
-    app = make_app(app_args(tiny_gpt2_dir, load_log_dir), engine_options(num_replicas, router))
-    serve.run(app, name=APP, route_prefix="/")
+    deploy_config(app_config(tiny_gpt2_dir, load_log_dir, num_replicas, router))
 
 
 def wait_for_replicas(num_replicas: int, timeout_s: float = 60) -> list[str]:
@@ -340,9 +345,9 @@ def check_keys_on_first_choice(base_url: str, prefixes: list[list[int]], replica
 def work_router(server, tiny_gpt2_dir: Path, load_log_dir: Path) -> list[str]:
     """The engine deployment routed with load_unit: work, for handles made from now on
     (Callers: the ingress's handle keeps the router it made); its replica ids. Once for the
-    module's tests in work, the last in the file: each redeploy restarts both engine replicas
-    (~20 s), and pytest would put the request router back only at the module's end, where no
-    test is left to use it."""
+    module's tests in work, the last in the file: pytest would put the request router back
+    only at the module's end, where no test is left to use it. A config deploy keeps the
+    replicas: Serve reconfigures them in place."""
     redeploy(tiny_gpt2_dir, load_log_dir, 2, WORK_ROUTER)
     return wait_for_replicas(2)
 
@@ -384,4 +389,4 @@ def test_in_work_a_home_of_cached_requests_keeps_a_burst_the_request_bound_would
 def test_in_work_two_routers_agree_on_affinity_and_together_stay_within_the_bound(work_router, load_log_dir):
     """As test_two_routers_..._within_the_bound, with the bound in work: each router reads
     the replicas' reported pending work (every router's) plus its own requests since."""
-    check_two_routers(random.Random(6), work_router, load_log_dir, num_prefixes=4, decode_token_cost=DECODE_TOKEN_COST)
+    check_two_routers(random.Random(6), work_router, load_log_dir, decode_token_cost=DECODE_TOKEN_COST)
