@@ -72,7 +72,7 @@ def test_http_and_the_dashboard_listen_on_loopback_only(served: tuple[str, psuti
 
 def test_a_short_chaos_run_leaves_no_5xx_no_leaked_blocks_and_nothing_stuck(
         served: tuple[str, psutil.Process]) -> None:
-    config = ChaosConfig(served[0], duration_s=15, warmup_s=2, concurrency=6, burst_every_s=5, burst_size=32,
+    config = ChaosConfig(served[0], duration_s=10, warmup_s=2, concurrency=6, burst_every_s=3, burst_size=32,
                          burst_prompt_tokens=288, api_key=API_KEY)  # 9,216 tokens: past max_waiting_tokens
     report = asyncio.run(run_chaos(config))
     print(summary(report))
