@@ -77,7 +77,7 @@ def test_a_short_chaos_run_leaves_no_5xx_no_leaked_blocks_and_nothing_stuck(
     report = asyncio.run(run_chaos(config))
     print(summary(report))
     assert report["passed"], report["failures"]
-    # The mix is random and a 15 s run on a loaded machine may miss a rare kind: ask for
+    # The mix is random and a 10 s run on a loaded machine may miss a rare kind: ask for
     # valid traffic, overload, and at least one bad input and one disconnect of any kind.
     kinds = set(report["requests"])
     assert {"stream", "complete", "burst"} <= kinds, kinds
