@@ -234,9 +234,10 @@ def deleted_at_exit(name: str) -> Iterator[None]:
 
 def deploy_config(app_config: dict, timeout_s: float = READY_TIMEOUT_S) -> None:
     """One application's config (a config file's `applications:` entry) applied to the shared
-    instance as `serve deploy` applies it, once it runs. Unlike serve.run, which makes every
-    call a new code version, a config that changes only num_replicas or a reconfigurable
-    option keeps the running replicas."""
+    instance as `serve run` and `serve deploy` apply a config file (the Serve client's
+    deploy_apps), once it runs. Unlike serve.run(app), which makes every call a new code
+    version, a config that changes only num_replicas or a reconfigurable option keeps the
+    running replicas."""
     shared_serve()
     name = app_config["name"]
     before = serve.status().applications.get(name)

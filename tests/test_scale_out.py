@@ -72,9 +72,9 @@ def app_args(tiny_gpt2_dir: Path, load_log_dir: Path | None = None) -> dict:
 
 
 def app_config(tiny_gpt2_dir: Path, load_log_dir: Path, num_replicas: int, router: dict = ROUTER) -> dict:
-    """The app as a config file declares it (configs/scale-out.yaml's shape): deployed as
-    `serve deploy` applies one, a later config that changes only num_replicas or the request
-    router adds, removes or reconfigures replicas in place and the others keep running."""
+    """The app as a config file declares it (configs/scale-out.yaml's shape): applied as
+    `serve run` or `serve deploy` applies one, a later config that changes only num_replicas
+    adds or removes replicas while the others keep running."""
     engine = {"name": "EngineDeployment", "num_replicas": num_replicas, "request_router_config": router,
               "graceful_shutdown_timeout_s": 5}
     return {"name": APP, "route_prefix": "/", "import_path": "deployments.app:build_app",
@@ -346,8 +346,8 @@ def work_router(server, tiny_gpt2_dir: Path, load_log_dir: Path) -> list[str]:
     """The engine deployment routed with load_unit: work, for handles made from now on
     (Callers: the ingress's handle keeps the router it made); its replica ids. Once for the
     module's tests in work, the last in the file: pytest would put the request router back
-    only at the module's end, where no test is left to use it. A config deploy keeps the
-    replicas: Serve reconfigures them in place."""
+    only at the module's end, where no test is left to use it. Serve counts a new request
+    router as new code: both engine replicas restart."""
     redeploy(tiny_gpt2_dir, load_log_dir, 2, WORK_ROUTER)
     return wait_for_replicas(2)
 
