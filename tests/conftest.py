@@ -90,7 +90,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     module's tests keep their order. Under `-n 2 --dist loadfile`, xdist hands out the modules
     by their number of tests, most first, keeping this order only among equals: handing them
     out in stage order instead, own-cluster modules first (--no-loadscope-reorder), took no
-    less time (529 and 532 s against 500-529 s)."""
+    less time when tried."""
     def stage(item: pytest.Item) -> int:
         return 2 if item.get_closest_marker("own_cluster") else 1 if item.get_closest_marker("serve") else 0
     items.sort(key=stage)

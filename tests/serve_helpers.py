@@ -256,9 +256,10 @@ def deploy_config(app_config: dict, timeout_s: float = READY_TIMEOUT_S) -> None:
 @contextlib.contextmanager
 def running_config(app_config: dict) -> Iterator[ServeInstance]:
     """As running_app, for an app deployed from its config (deploy_config)."""
+    instance = shared_serve()
     deploy_config(app_config)
     with deleted_at_exit(app_config["name"]):
-        yield _shared
+        yield instance
 
 
 def serve_executable() -> str:
