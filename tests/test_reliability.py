@@ -462,12 +462,6 @@ def test_a_dead_engine_makes_health_and_requests_a_503_with_retry_after(tiny_gpt
         serve.delete("dead")
 
 
-def test_a_killed_engine_replica_is_replaced_and_service_resumes(http: httpx.Client) -> None:
-    killed = kill_the_replica("EngineDeployment")
-    assert set(wait_until_served(http)) <= {503}
-    assert killed not in replica_names("EngineDeployment")
-
-
 def test_with_the_routes_in_the_engine_a_killed_replica_cuts_its_streams_and_requests_wait_for_its_replacement(
         base_url: str, http: httpx.Client) -> None:
     """What `ingress: engine` gives (test_reliability_ingress.py: what `ingress: deployment`

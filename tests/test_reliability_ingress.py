@@ -20,7 +20,6 @@ from tests.test_reliability import (  # noqa: F401 - the fixtures and tests this
     test_a_client_that_leaves_mid_stream_is_aborted_and_the_others_are_unaffected,
     test_a_client_that_leaves_while_queued_is_aborted_and_the_others_are_unaffected,
     test_a_dead_engine_makes_health_and_requests_a_503_with_retry_after,
-    test_a_killed_engine_replica_is_replaced_and_service_resumes,
     test_a_non_streaming_client_that_leaves_is_aborted,
     test_an_engine_crash_ends_live_streams_with_an_error_event_and_serve_replaces_the_engine,
     test_past_the_waiting_bound_requests_get_429_with_retry_after_and_queued_ones_complete,

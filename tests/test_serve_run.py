@@ -1,21 +1,26 @@
-# `serve run configs/gpt2.yaml` as a user runs it, in a subprocess: it becomes ready, takes its
-# compiled decode graph, serves 16 chat streams at once whose tokens Hugging Face transformers
-# scores as its own, and on Ctrl-C (SIGINT) shuts Serve and its own Ray cluster down, leaving
-# no process behind. The config is the shipped one (this CPU's dtype, compile_decode on) with
-# three changes for a test machine: a free port, a small KV pool, and the model: a GPT-2-small
-# checkpoint of random weights made peaked (tests/engine_helpers.py), served as "gpt2".
+# `serve run configs/gpt2.yaml` as a user runs it, in a subprocess, with API keys from the
+# environment: it becomes ready, listens on loopback only, takes its compiled decode graph,
+# serves 16 chat streams at once whose tokens Hugging Face transformers scores as its own, and
+# on Ctrl-C (SIGINT) shuts Serve and its own Ray cluster down, leaving no process behind. The
+# config is the shipped one (this CPU's dtype, compile_decode on) with three changes for a
+# test machine: a free port, a small KV pool, and the model: a GPT-2-small checkpoint of
+# random weights made peaked (tests/engine_helpers.py), served as "gpt2".
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 import torch
 import yaml
+from ray.dashboard.consts import DASHBOARD_METRIC_PORT
 
 from deployments.replicas.ingress import ON_REPLICA_LOOP
 from engine.request.detokenizer import TokenVocab
@@ -25,6 +30,8 @@ from tests.serve_helpers import ROOT, ServeRun, free_port, proxy_process, replic
 
 pytestmark = [pytest.mark.serve, pytest.mark.own_cluster]  # `serve run` starts its own
 
+API_KEY = f"sk-serve-run-{uuid.uuid4().hex}"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
 GRAPH_TIMEOUT_S = 480  # the background compile of GPT-2 small's graph: ~70 s on 2 idle cores, cold
 NUM_STREAMS = 16
 MAX_TOKENS = 16
@@ -64,8 +71,9 @@ def served(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterato
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     config = derived_config(tmp_path, port, model_dir)
-    with serve_run(config, tmp_path / "serve_run.log", {**os.environ, "HF_HUB_OFFLINE": "1"}) as run:
-        run.wait_until_ready(f"{url}/v1/models")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "RAYINFER_API_KEYS": API_KEY}
+    with serve_run(config, tmp_path / "serve_run.log", env) as run:
+        run.wait_until_ready(f"{url}/health")
         yield url, config, run
 
 
@@ -89,10 +97,41 @@ async def one_stream(http: httpx.AsyncClient, body: dict) -> list[dict]:
 
 def streams_at_once(url: str, bodies: list[dict]) -> list[list[dict]]:
     async def main() -> list[list[dict]]:
-        async with httpx.AsyncClient(base_url=url, timeout=120) as http:
+        async with httpx.AsyncClient(base_url=url, headers=AUTH, timeout=120) as http:
             return await asyncio.gather(*(one_stream(http, body) for body in bodies))
 
     return asyncio.run(main())
+
+
+def listening(process: psutil.Process) -> list[tuple[str, int, str]]:
+    """(address, port, command line) of every socket the process and its children listen on."""
+    found = []
+    for p in [process, *process.children(recursive=True)]:
+        with contextlib.suppress(psutil.Error):
+            cmdline = " ".join(p.cmdline())
+            found += [(c.laddr.ip, c.laddr.port, cmdline) for c in p.net_connections("inet")
+                      if c.status == psutil.CONN_LISTEN]
+    return found
+
+
+def test_http_and_the_dashboard_listen_on_loopback_only(served) -> None:
+    url, _, run = served
+    sockets = listening(psutil.Process(run.proc.pid))
+    http = [ip for ip, port, _ in sockets if port == int(url.rsplit(":", 1)[1])]
+    # The dashboard's own Prometheus exporter binds every interface unless the node's IP is
+    # a loopback one (docs/security.md, "Opening the server deliberately"); its UI and API must not.
+    dashboard = [(ip, port) for ip, port, cmdline in sockets
+                 if "dashboard/dashboard.py" in cmdline and port != DASHBOARD_METRIC_PORT]
+    assert http == ["127.0.0.1"]
+    assert dashboard and {ip for ip, _ in dashboard} == {"127.0.0.1"}, dashboard
+
+
+def test_the_keys_from_the_environment_guard_the_api_and_not_health(served) -> None:
+    url = served[0]
+    assert httpx.get(f"{url}/v1/models").status_code == 401
+    assert httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer sk-wrong"}).status_code == 401
+    assert httpx.get(f"{url}/v1/models", headers=AUTH).status_code == 200
+    assert httpx.get(f"{url}/health").status_code == 200
 
 
 def test_the_shipped_config_on_this_cpus_dtype_and_graph_serves_hf_s_tokens_at_gpt2_small_size(
@@ -103,7 +142,7 @@ def test_the_shipped_config_on_this_cpus_dtype_and_graph_serves_hf_s_tokens_at_g
     (greedy) token is in HF fp32's top 5."""
     url, _, run = served
     run.wait_for_log("decode graph ready after", GRAPH_TIMEOUT_S)  # steps run on the graph from here
-    with httpx.Client(base_url=url, timeout=60) as http:
+    with httpx.Client(base_url=url, headers=AUTH, timeout=60) as http:
         dtype = http.get("/v1/models").json()["data"][0]["dtype"]
         hits_before = engine_health(http)["stats"]["num_prefix_hit_tokens"]
         bodies = [chat_body(i) for i in range(NUM_STREAMS)]
@@ -131,10 +170,10 @@ def test_the_shipped_config_on_this_cpus_dtype_and_graph_serves_hf_s_tokens_at_g
 def test_serve_run_gpt2_yaml_serves_a_stream_and_shuts_down_cleanly_on_sigint(served) -> None:
     """The module's last test: it stops the app."""
     url, config, run = served
-    assert httpx.get(f"{url}/v1/models").json()["data"][0]["weights"] == "pretrained"
+    assert httpx.get(f"{url}/v1/models", headers=AUTH).json()["data"][0]["weights"] == "pretrained"
     body = {"model": "gpt2", "prompt": "Hello", "max_tokens": 4, "stream": True, "ignore_eos": True,
             "stream_options": {"include_usage": True}}
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=AUTH, timeout=60) as response:
         payloads = [line.removeprefix("data: ") for line in response.iter_lines() if line]
     assert payloads[-1] == "[DONE]"
     assert json.loads(payloads[-2])["usage"]["completion_tokens"] == 4
