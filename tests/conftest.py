@@ -7,7 +7,18 @@
 from __future__ import annotations
 
 import os
-import shutil
+
+# The suite keeps both cores busy: two xdist workers, their Ray replicas and the clients of
+# their servers. By default OpenMP's idle threads spin after every parallel region, on a core
+# another of those processes is waiting for; passive waits take a fifth off the suite's time.
+# libgomp reads this once, when torch loads it: so before torch is imported, here, for this
+# process and every one it starts (Ray clusters, `serve run`, subprocesses). It changes how an
+# idle thread waits, never what a step computes. The product keeps OpenMP's default (passive
+# waits serve a stream slower: BENCHMARKS.md, "Designs tried and rejected"), and CI's
+# fresh_serve serves the shipped config with it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import shutil  # noqa: E402  (below the environment that torch's OpenMP reads)
 from collections.abc import Iterator
 from pathlib import Path
 
