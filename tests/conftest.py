@@ -10,7 +10,7 @@ import os
 
 # The suite keeps both cores busy: two xdist workers, their Ray replicas and the clients of
 # their servers. By default OpenMP's idle threads spin after every parallel region, on a core
-# another of those processes is waiting for; passive waits take a fifth off the suite's time.
+# another of those processes is waiting for; passive waits leave it to them.
 # libgomp reads this once, when torch loads it: so before torch is imported, here, for this
 # process and every one it starts (Ray clusters, `serve run`, subprocesses). It changes how an
 # idle thread waits, never what a step computes. The product keeps OpenMP's default (passive
