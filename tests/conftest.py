@@ -17,6 +17,12 @@ import os
 # waits serve a stream slower: BENCHMARKS.md, "Designs tried and rejected"), and CI's
 # fresh_serve serves the shipped config with it.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Serve gives a new HTTP proxy 5 s to answer its first ready check, then kills it and starts
+# another; serve.start waits on the first one, so it fails ("killed by `ray.kill`", "never
+# ran") instead of waiting for the replacement. With both cores busy on an AVX2-only machine,
+# a proxy's worker process took longer than that to start (a whole module's setup failed):
+# every Serve instance the suite starts gives its proxies 60 s, the time serve.start waits.
+os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
 
 import shutil  # noqa: E402  (below the environment that torch's OpenMP reads)
 from collections.abc import Iterator
