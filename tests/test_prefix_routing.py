@@ -16,7 +16,7 @@ from deployments.routing.prefix_routing import (
 )
 from deployments.routing.cache_shadow import CacheShadow
 from deployments.replicas.hooks import LoadLog, read_load_logs
-from deployments.routing.router import request_load
+from deployments.routing.router import request_load, work_load
 from engine.core.block_manager import BlockManager
 from engine.request.sampling_params import SamplingParams
 from engine.core.sequence import Sequence
@@ -128,6 +128,22 @@ def test_where_the_report_is_stale_serves_count_stands_never_below_the_routers_o
     assert request_load(stale, queue_len=4, live=[now - 1, now - 0.1], ended=[], now=now) == 4
     assert request_load(stale, queue_len=1, live=[now - 1, now - 0.1], ended=[], now=now) == 2
     assert request_load({}, queue_len=0, live=[now - 0.1], ended=[], now=now) == 1  # no report yet
+
+
+def test_in_work_a_report_made_while_a_routers_request_was_on_its_way_still_counts_it():
+    # 1000 tokens of work chosen 0.5 s ago, taken by the replica 0.1 s ago; the report is
+    # 0.2 s old and shows 50 left of another request: it cannot hold this router's.
+    now, report = 1000.0, {"num_pending_prompt_tokens": 10, "num_pending_decode_tokens": 40, "pending_at": 1000.0 - 0.2}
+    assert work_load(report, 0, [(1000.0, now - 0.1)], cost=40, decode_token_cost=1.0, now=now) == 50 + 1000
+    assert work_load(report, 0, [(1000.0, None)], cost=40, decode_token_cost=1.0, now=now) == 50 + 1000  # not yet taken
+    # Taken before the report: the report holds what is left of it.
+    assert work_load(report, 0, [(1000.0, now - 0.3)], cost=40, decode_token_cost=1.0, now=now) == 50
+
+
+def test_in_work_where_the_report_is_stale_the_routers_own_and_serves_count_stand_in():
+    now, stale = 1000.0, {"num_pending_prompt_tokens": 10, "num_pending_decode_tokens": 40, "pending_at": 1000.0 - 60}
+    assert work_load(stale, 3, [(100.0, now - 1)], cost=40, decode_token_cost=1.0, now=now) == 100 + 2 * 40
+    assert work_load({}, 0, [(100.0, None)], cost=40, decode_token_cost=1.0, now=now) == 100  # no report yet
 
 
 def test_a_hot_key_never_puts_a_replica_past_eps_times_the_mean_while_requests_come_and_go():

@@ -19,11 +19,11 @@ queue-length cache.
 load_unit: requests counts each request as one. work (deployments/routing/prefix_routing.py
 choose_by_work) weighs a replica by the work it last reported still ahead of it
 (record_routing_stats: prompt tokens not yet computed, plus decode_token_cost per token
-still to decode, of every router's requests) plus this router's requests chosen since that
-report, each at what it asks of its replica: the prompt tokens that replica likely lacks
-(this router's CacheShadow) plus its decode. Where a replica's report is missing or stale,
-this router's own requests stand in, and the rest of Serve's count (other routers') at this
-request's weight.
+still to decode, of every router's requests) plus this router's requests that report
+cannot hold (not yet taken by the replica when it reported), each at what it asks of its
+replica: the prompt tokens that replica likely lacks (this router's CacheShadow) plus its
+decode. Where a replica's report is missing or stale, this router's own requests stand in,
+and the rest of Serve's count (other routers') at this request's weight.
 """
 
 from __future__ import annotations
@@ -62,8 +62,12 @@ class _Placement:
     choice: Choice
     chosen_at: float  # time.time(): compared with the replicas' reports
     work: float  # what it asks of the chosen replica (load_unit work)
-    is_routed: bool = False
+    routed_at: float | None = None  # time.time() when Serve told this router the replica took it
     ended_at: float | None = None  # time.time() when Serve told this router it ended
+
+    @property
+    def is_routed(self) -> bool:
+        return self.routed_at is not None
 
 
 @dataclass(frozen=True)
@@ -117,7 +121,7 @@ class PrefixAffinityRouter(RequestRouter):
         is_choice = placement is not None and placement.choice.replica_id == replica_id.unique_id
         self._metrics.record_routed(replica_id.unique_id, placement.choice.decision if is_choice else "spill")
         if placement is not None:
-            placement.replica_id, placement.is_routed = replica_id.unique_id, True
+            placement.replica_id, placement.routed_at = replica_id.unique_id, time.time()
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         placement = self._placements.pop(internal_request_id, None)
@@ -164,15 +168,12 @@ class PrefixAffinityRouter(RequestRouter):
 
     def _work_load(self, replica: RunningReplica, mine: list[_Placement], cost: float) -> float:
         """The work the replica last reported still ahead of it (every router's requests,
-        prefills and decodes already done subtracted), plus this router's requests chosen
-        since. Where its report is missing or old: this router's requests at their cost
-        when chosen, and the rest of Serve's count (other routers') as this one would
-        weigh there."""
-        stats = replica.routing_stats or {}
-        if time.time() - stats.get("pending_at", 0.0) < _REPORT_MAX_AGE_S:
-            pending = stats["num_pending_prompt_tokens"] + self._decode_token_cost * stats["num_pending_decode_tokens"]
-            return pending + sum(p.work for p in mine if p.chosen_at > stats["pending_at"])
-        return sum(p.work for p in mine) + max(self._queue_len(replica) - len(mine), 0) * cost
+        prefills and decodes already done subtracted), plus this router's requests the
+        report cannot hold: those the replica had not yet taken when it reported. Where its
+        report is missing or old: this router's requests at their cost when chosen, and the
+        rest of Serve's count (other routers') as this one would weigh there."""
+        return work_load(replica.routing_stats or {}, self._queue_len(replica), [(p.work, p.routed_at) for p in mine],
+                         cost, self._decode_token_cost, time.time())
 
     def _cost(self, prompt: _Prompt | None, replica_id: str) -> float:
         if prompt is None:  # not a generate call: no prompt, nothing to decode
@@ -204,6 +205,25 @@ class PrefixAffinityRouter(RequestRouter):
     def _queue_len(self, replica: RunningReplica) -> int:
         """Serve's cached count (0 where it has none fresh)."""
         return self.replica_queue_len_cache.get(replica.replica_id) or 0
+
+
+def work_load(report: dict, queue_len: int, mine: list[tuple[float, float | None]], cost: float,
+              decode_token_cost: float, now: float) -> float:
+    """A replica's open work as this router knows it (_work_load). mine: each of this
+    router's open requests there, its work and when Serve told the router the replica took
+    it (None: not yet).
+
+    Serve tells a router that a replica took a request only after the replica has it, so
+    a request confirmed before the report is in it. One not yet taken is not: counted as in
+    the report once chosen before it, a report polled while a long request was on its way
+    hid it, and a burst spilled off its home as if that request's replica were idle. One
+    taken just before the report but confirmed after it counts twice until the next
+    report: a spill too many, never a replica past the bound."""
+    pending_at = report.get("pending_at", 0.0)
+    if now - pending_at >= _REPORT_MAX_AGE_S:
+        return sum(work for work, _ in mine) + max(queue_len - len(mine), 0) * cost
+    pending = report["num_pending_prompt_tokens"] + decode_token_cost * report["num_pending_decode_tokens"]
+    return pending + sum(work for work, routed_at in mine if routed_at is None or routed_at > pending_at)
 
 
 def request_load(report: dict, queue_len: int, live: list[float], ended: list[tuple[float, float]],
