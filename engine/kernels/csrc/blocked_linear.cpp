@@ -1,5 +1,5 @@
 // y = epilogue(x @ weight.T + bias) in bf16 for 1 to 64 rows, on AVX-512 BF16's dot product,
-// from a weight laid out for it once at load (engine/packed_linear.py panels):
+// from a weight laid out for it once at load (engine/model/packed_linear.py panels):
 //
 //     panels [P, K/2, 32, 2]: panel p holds output features 32p .. 32p+31 (zero past N),
 //     k-pair by k-pair, so one 64-byte load is 16 features' products for two k.
@@ -92,8 +92,14 @@ RAYINFER_BF16 void tile_rows(const uint32_t* x, const __m512i* panel, int64_t k2
 at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& panels, int64_t n, const at::BFloat16* bias,
                           int kind, const at::BFloat16* other) {
   TORCH_CHECK(has_bf16_dot(), "linear: weights in panels need AVX-512 BF16, which this CPU lacks");
-  const int64_t k = x.size(-1), k2 = k / 2, rows = x.numel() / k, num_panels = panels.size(0);
-  TORCH_CHECK(panels.size(1) == k2 && panels.size(2) == kPanel && num_panels * kPanel >= n, "linear: panels for another shape");
+  // Read below as raw 64-byte vectors: bf16, dense, in the shape the loops walk.
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && panels.scalar_type() == at::kBFloat16 && x.is_contiguous() &&
+                  panels.is_contiguous(), "linear: bf16 panels need contiguous bf16 x and panels");
+  const int64_t k = x.size(-1), k2 = k / 2, num_panels = panels.size(0);
+  TORCH_CHECK(k > 0 && k % 2 == 0, "linear: bf16 panels take an even number of inputs, got ", k);
+  const int64_t rows = x.numel() / k;
+  TORCH_CHECK(panels.dim() == 4 && panels.size(1) == k2 && panels.size(2) == kPanel && panels.size(3) == 2 &&
+                  num_panels * kPanel >= n, "linear: panels ", panels.sizes(), " for another shape than [", n, ", ", k, "]");
   auto shape = x.sizes().vec();
   shape.back() = n;
   at::Tensor y = at::empty(shape, x.options());

@@ -1,5 +1,5 @@
 // y = epilogue(x @ weight.T + bias) in fp32 for 1 to 64 rows, from a weight laid out for it once
-// at load (engine/packed_linear.py panels):
+// at load (engine/model/packed_linear.py panels):
 //
 //     panels [P, K, 2L]: panel p holds output features 2Lp .. 2Lp+2L-1 (zero past N), L the
 //     build's fp32 lanes (8 on AVX2), input by input, so two vector loads are one input's
@@ -85,9 +85,14 @@ void tile_rows(const float* x, const float* panel, const float* next, int64_t k_
 // x [M, K] contiguous fp32, panels as above; kind as F32Tail's.
 at::Tensor blocked_linear_f32(const at::Tensor& x, const at::Tensor& panels, int64_t n, const float* bias, int kind,
                               const float* other) {
-  const int64_t k_dim = x.size(-1), rows = x.numel() / k_dim, num_panels = panels.size(0);
-  TORCH_CHECK(panels.size(1) == k_dim && panels.size(2) == 2 * kLanes && num_panels * 2 * kLanes >= n,
-              "linear: fp32 panels for another shape or vector width");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && panels.scalar_type() == at::kFloat && x.is_contiguous() &&
+                  panels.is_contiguous(), "linear: fp32 panels need contiguous fp32 x and panels");
+  const int64_t k_dim = x.size(-1), num_panels = panels.size(0);
+  TORCH_CHECK(k_dim > 0, "linear: x has no inputs");
+  const int64_t rows = x.numel() / k_dim;
+  TORCH_CHECK(panels.dim() == 3 && panels.size(1) == k_dim && panels.size(2) == 2 * kLanes &&
+                  num_panels * 2 * kLanes >= n,
+              "linear: fp32 panels ", panels.sizes(), " for another shape or vector width than [", n, ", ", k_dim, "]");
   auto shape = x.sizes().vec();
   shape.back() = n;
   at::Tensor y = at::empty(shape, x.options());

@@ -1,5 +1,5 @@
-// Attention over the paged KV pools for the step graph's rows: the kernel engine/native.py
-// builds for this CPU's vector ISA and the compiled step (engine/decode_graph.py) calls.
+// Attention over the paged KV pools for the step graph's rows: the kernel engine/kernels/native.py
+// builds for this CPU's vector ISA and the compiled step (engine/model/decode_graph.py) calls.
 //
 // Each (row, head) reads its cached keys and values in place, block by block through its
 // block table (no gathered copy), in float32 with the ISA's widest vectors, plus the k, v of
@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "chunk_attention.h"
+#include "input_checks.h"
 #include "paged_keys.h"
 
 namespace rayinfer::attention {
@@ -165,17 +166,50 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
   if (!single.empty()) attend_rows(ops, single, first_rows, longest_chunk, heads, head_dim, out.data_ptr<T>());
 }
 
-// Every read stays in the pools: block ids within them, lengths within each row's table.
-void check_in_pools(const at::Tensor& tables, const at::Tensor& lens, int64_t num_blocks, int64_t block_size) {
-  const int64_t* ids = tables.data_ptr<int64_t>();
-  for (int64_t i = 0; i < tables.numel(); ++i) {
-    TORCH_CHECK(ids[i] >= 0 && ids[i] < num_blocks, "decode_attention: block id ", ids[i], " outside the pools");
-  }
+// Every read stays in the pools: block ids within both, lengths within each row's table.
+void check_in_pools(const at::Tensor& tables, const at::Tensor& lens, const at::Tensor& k_cache,
+                    const at::Tensor& v_cache) {
+  const int64_t num_blocks = std::min(k_cache.size(1), v_cache.size(1)), block_size = k_cache.size(2);
+  const char* pools = k_cache.size(1) <= v_cache.size(1) ? "k_cache's blocks" : "v_cache's blocks";
+  check_indices(tables.data_ptr<int64_t>(), tables.numel(), num_blocks, "decode_attention", "block id", pools);
   const int64_t* cached = lens.data_ptr<int64_t>();
   for (int64_t b = 0; b < lens.numel(); ++b) {
     TORCH_CHECK(cached[b] >= 0 && cached[b] <= tables.size(1) * block_size, "decode_attention: length ", cached[b],
-                " beyond its block table");
+                " of row ", b, " beyond its block table of ", tables.size(1), " blocks of ", block_size);
   }
+}
+
+// Shapes, dtypes, devices and layouts: q, k, v [B, H, D], pools [H, blocks, block_size, D],
+// each with a contiguous last dimension, in one dtype; tables [B, W] and lengths [B] int64.
+void check_operands(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
+                    const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& context_lens) {
+  const char* op = "decode_attention";
+  const char* names[] = {"q", "k", "v", "k_cache", "v_cache", "block_tables", "context_lens"};
+  const at::Tensor* all[] = {&q, &k, &v, &k_cache, &v_cache, &block_tables, &context_lens};
+  for (int i = 0; i < 7; ++i) check_cpu(*all[i], op, names[i]);
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4,
+              "decode_attention: q, k, v [B, H, D] and pools [H, blocks, block_size, D]");
+  const int64_t rows = q.size(0), heads = q.size(1), head_dim = q.size(2);
+  TORCH_CHECK(head_dim > 0 && head_dim % Vec::size() == 0 && head_dim <= kMaxHeadDim, "decode_attention: head_dim ", head_dim,
+              " is not a positive multiple of ", Vec::size(), " up to ", kMaxHeadDim);
+  TORCH_CHECK(k.size(0) == rows && v.size(0) == rows, "decode_attention: one k and v row per query: q ", q.sizes(),
+              ", k ", k.sizes(), ", v ", v.sizes());
+  TORCH_CHECK(k.size(1) == heads && v.size(1) == heads && k_cache.size(0) == heads && v_cache.size(0) == heads,
+              "decode_attention: k, v, k_cache and v_cache must have q's head count ", heads, ": k ", k.sizes(),
+              ", v ", v.sizes(), ", k_cache ", k_cache.sizes(), ", v_cache ", v_cache.sizes());
+  for (int i = 0; i < 5; ++i) {
+    TORCH_CHECK(all[i]->scalar_type() == q.scalar_type(), "decode_attention: ", names[i], " is ",
+                all[i]->scalar_type(), ", q is ", q.scalar_type());
+    TORCH_CHECK(all[i]->size(-1) == head_dim && all[i]->stride(-1) == 1, "decode_attention: ", names[i],
+                "'s last dimension must be head_dim ", head_dim, " and contiguous");
+  }
+  TORCH_CHECK(v_cache.size(2) == k_cache.size(2), "decode_attention: k_cache's blocks hold ", k_cache.size(2),
+              " tokens, v_cache's ", v_cache.size(2));
+  TORCH_CHECK(block_tables.dim() == 2 && context_lens.dim() == 1 && block_tables.size(0) == rows &&
+                  context_lens.size(0) == rows,
+              "decode_attention: block_tables [B, W] and context_lens [B], one table and length per row");
+  check_dtype(block_tables, at::kLong, op, "block_tables");
+  check_dtype(context_lens, at::kLong, op, "context_lens");
 }
 
 // Each row's chunk starts at a row before it or at itself; the longest chunk's length.
@@ -197,25 +231,15 @@ int64_t longest_chunk(const at::Tensor& first_rows) {
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& context_lens,
                             const std::optional<at::Tensor>& first_rows) {
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4,
-              "decode_attention: q, k, v [B, H, D] and pools [H, blocks, block_size, D]");
+  check_operands(q, k, v, k_cache, v_cache, block_tables, context_lens);
   const int64_t head_dim = q.size(2);
-  TORCH_CHECK(head_dim % Vec::size() == 0 && head_dim <= kMaxHeadDim, "decode_attention: head_dim ", head_dim,
-              " is not a multiple of ", Vec::size(), " up to ", kMaxHeadDim);
-  for (const at::Tensor* t : {&q, &k, &v, &k_cache, &v_cache}) {
-    TORCH_CHECK(t->stride(-1) == 1 && t->size(-1) == head_dim && t->scalar_type() == q.scalar_type(),
-                "decode_attention: every tensor's last dimension is head_dim, contiguous, in q's dtype");
-  }
-  TORCH_CHECK(k.size(0) == q.size(0) && v.size(0) == q.size(0), "decode_attention: one k, v per query");
-  TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
-              "decode_attention: int64 block tables and lengths");
   const at::Tensor tables = block_tables.contiguous(), lens = context_lens.contiguous();
-  TORCH_CHECK(lens.numel() == q.size(0) && tables.size(0) == q.size(0), "decode_attention: one table and length per row");
-  check_in_pools(tables, lens, k_cache.size(1), k_cache.size(2));
+  check_in_pools(tables, lens, k_cache, v_cache);
   at::Tensor firsts;
   if (first_rows.has_value()) {
-    TORCH_CHECK(first_rows->scalar_type() == at::kLong && first_rows->numel() == q.size(0),
-                "decode_attention: one int64 first row per row");
+    check_cpu(*first_rows, "decode_attention", "first_rows");
+    check_dtype(*first_rows, at::kLong, "decode_attention", "first_rows");
+    TORCH_CHECK(first_rows->dim() == 1 && first_rows->size(0) == q.size(0), "decode_attention: first_rows [B]");
     firsts = first_rows->contiguous();
   }
   const int64_t* first = firsts.defined() ? firsts.data_ptr<int64_t>() : nullptr;

@@ -1,6 +1,6 @@
 // Each row's argmax, and a token drawn from softmax(logits / temperature) at the row's
-// uniform: the sampler's `draw` (engine/sampler.py) in two passes over a row, the op
-// engine/native.py builds for this CPU's vector ISA.
+// uniform: the sampler's `draw` (engine/sampling/sampler.py) in two passes over a row, the op
+// engine/kernels/native.py builds for this CPU's vector ISA.
 //
 // Pass one finds the row's max and its first position. Pass two sums exp((x - max) / T)
 // per chunk of kChunk tokens; the row's total is its chunk sums added in order. The token
@@ -22,6 +22,8 @@
 #include <limits>
 #include <tuple>
 #include <vector>
+
+#include "input_checks.h"
 
 namespace rayinfer::sampling {
 namespace {
@@ -156,7 +158,9 @@ int64_t draw_row(const T* row, int64_t n, float max, float temperature, float un
 }
 
 void check_logits(const at::Tensor& logits, const char* op) {
-  TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1, op, ": logits [S, V] with contiguous rows");
+  check_cpu(logits, op, "logits");
+  TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1, op, ": logits [S, V] with contiguous rows, got ",
+              logits.sizes(), " strides ", logits.strides());
   TORCH_CHECK(logits.size(1) > 0 && logits.size(1) < kMaxExactIndex, op, ": a vocabulary of 1 to ",
               kMaxExactIndex - 1, " tokens");
 }
@@ -191,9 +195,12 @@ at::Tensor argmax(const at::Tensor& logits) {
 std::tuple<at::Tensor, at::Tensor> draw(const at::Tensor& logits, const at::Tensor& temperatures,
                                         const at::Tensor& uniforms) {
   check_logits(logits, "draw");
+  check_cpu(temperatures, "draw", "temperatures");
+  check_cpu(uniforms, "draw", "uniforms");
   const int64_t rows = logits.size(0), vocab = logits.size(1), row_stride = logits.stride(0);
   const at::Tensor temps = temperatures.to(at::kFloat).contiguous(), draws = uniforms.to(at::kFloat).contiguous();
-  TORCH_CHECK(temps.numel() == rows && draws.numel() == rows, "draw: one temperature and one uniform per row");
+  TORCH_CHECK(temps.numel() == rows && draws.numel() == rows, "draw: one temperature and one uniform per row: ",
+              rows, " rows, ", temps.numel(), " temperatures, ", draws.numel(), " uniforms");
   at::Tensor argmax = at::empty({rows}, logits.options().dtype(at::kLong));
   at::Tensor drawn = at::empty({rows}, logits.options().dtype(at::kLong));
   const float* temperature = temps.data_ptr<float>();

@@ -1,4 +1,4 @@
-// y = epilogue(x @ weight.T + bias) for a prepacked linear (engine/packed_linear.py): where
+// y = epilogue(x @ weight.T + bias) for a prepacked linear (engine/model/packed_linear.py): where
 // its weight is in bf16 panels, 1 to 64 rows on blocked_linear.cpp's kernel; in fp32 panels,
 // 1 to 64 rows on blocked_linear_f32.cpp's; where it is plain,
 // up to three rows on a pass over it of our own; for more, oneDNN's product on the packed one.
@@ -21,6 +21,8 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <cmath>
 #include <torch/library.h>
+
+#include "input_checks.h"
 
 namespace rayinfer {
 at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& panels, int64_t n, const at::BFloat16* bias,
@@ -90,7 +92,7 @@ at::Tensor few_rows(const at::Tensor& x, const at::Tensor& weight, const std::op
   at::Tensor y = at::empty(shape, x.options());
   const T* xp = x.data_ptr<T>();
   const T* wp = weight.data_ptr<T>();
-  const T* bp = bias && bias->defined() ? bias->data_ptr<T>() : nullptr;
+  const T* bp = bias && bias->defined() ? bias->const_data_ptr<T>() : nullptr;
   T* yp = y.data_ptr<T>();
   at::parallel_for(0, N, kGrain, [&](int64_t n0, int64_t n1) {
     if (M == 1) rows_vec<T, 1>(xp, wp, bp, e, yp, K, N, n0, n1);
@@ -143,32 +145,65 @@ at::Tensor on_panels(const at::Tensor& x, const at::Tensor& packed_weight, const
                      const std::optional<at::Tensor>& other, PanelKernel<T> kernel) {
   const int64_t N = packed_weight.size(0);
   const auto dtype = c10::CppTypeToScalarType<T>::value;
-  const bool ours = x.dim() >= 1 && x.size(-1) == K && x.numel() > 0 && x.numel() <= rayinfer::kMaxBlockedRows * K &&
-                    x.scalar_type() == dtype && (!bias || bias->scalar_type() == dtype) &&
-                    (!other || (other->numel() == x.numel() / K * N && other->scalar_type() == dtype));
+  check_dtype(panels, dtype, "linear", "weight in panels");
+  TORCH_CHECK(panels.is_contiguous(), "linear: the weight's panels must be contiguous");
+  const bool ours = x.numel() > 0 && x.numel() <= rayinfer::kMaxBlockedRows * K;
   if (!ours) return onednn(x, packed_weight, bias, epilogue, other);
-  const at::Tensor b = bias ? bias->contiguous() : at::Tensor(), o = other ? other->contiguous() : at::Tensor();
-  return kernel(x.contiguous(), panels, N, b.defined() ? b.const_data_ptr<T>() : nullptr, epilogue_kind(epilogue),
-                o.defined() ? o.const_data_ptr<T>() : nullptr);
+  return kernel(x.contiguous(), panels, N, bias ? bias->const_data_ptr<T>() : nullptr, epilogue_kind(epilogue),
+                other ? other->const_data_ptr<T>() : nullptr);
 }
 
+// What every path reads x, the weight, bias and other as: x [..., K] and a weight of K inputs
+// and N outputs (plain [N, K], fp32 panels [P, K, 2L] or bf16 [P, K/2, 32, 2], N then the
+// packed weight's), all in x's dtype; bias [N]; other as many elements as y. Returns N.
+int64_t check_linear(const at::Tensor& x, const at::Tensor& packed_weight, const at::Tensor& weight,
+                     const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& other) {
+  for (const at::Tensor* t : {&x, &packed_weight, &weight}) check_cpu(*t, "linear", "every tensor");
+  TORCH_CHECK(weight.dim() >= 2 && weight.dim() <= 4, "linear: weight [N, K] or in panels, got ", weight.sizes());
+  TORCH_CHECK(packed_weight.dim() == 2, "linear: packed_weight [N, K], got ", packed_weight.sizes());
+  const int64_t K = weight.dim() == 4 ? 2 * weight.size(1) : weight.size(1);
+  const int64_t N = weight.dim() == 2 ? weight.size(0) : packed_weight.size(0);
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == K, "linear: x ", x.sizes(), " does not end in the weight's ", K,
+              " inputs");
+  TORCH_CHECK(packed_weight.size(0) == N && packed_weight.size(1) == K, "linear: packed_weight ",
+              packed_weight.sizes(), " is not the weight's [", N, ", ", K, "]");
+  check_dtype(weight, x.scalar_type(), "linear", "the weight (x's dtype)");
+  if (bias && bias->defined()) {
+    check_cpu(*bias, "linear", "bias");
+    check_dtype(*bias, x.scalar_type(), "linear", "bias (x's dtype)");
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "linear: bias [", N, "], got ", bias->sizes());
+  }
+  if (other && other->defined()) {
+    check_cpu(*other, "linear", "other");
+    check_dtype(*other, x.scalar_type(), "linear", "other (x's dtype)");
+    TORCH_CHECK(other->numel() == x.numel() / std::max<int64_t>(K, 1) * N, "linear: other ", other->sizes(),
+                " does not hold y's ", x.numel() / std::max<int64_t>(K, 1) * N, " elements");
+  }
+  return N;
+}
+
+std::optional<at::Tensor> dense(const std::optional<at::Tensor>& t) {
+  return t && t->defined() ? std::optional<at::Tensor>(t->contiguous()) : std::nullopt;
+}
+
+// Every path takes bias and other dense: oneDNN's linear reads them so whatever their strides.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed_weight, const at::Tensor& weight,
-                  const std::optional<at::Tensor>& bias, c10::string_view epilogue,
-                  const std::optional<at::Tensor>& other) {
+                  const std::optional<at::Tensor>& strided_bias, c10::string_view epilogue,
+                  const std::optional<at::Tensor>& strided_other) {
   TORCH_CHECK(epilogue == "none" || epilogue == "gelu" || epilogue == "add", "linear: unknown epilogue ", epilogue);
-  TORCH_CHECK((epilogue == "add") == (other.has_value() && other->defined()), "linear: `other` goes with \"add\" alone");
+  TORCH_CHECK((epilogue == "add") == (strided_other.has_value() && strided_other->defined()),
+              "linear: `other` goes with \"add\" alone");
+  check_linear(x, packed_weight, weight, strided_bias, strided_other);
+  const std::optional<at::Tensor> bias = dense(strided_bias), other = dense(strided_other);
   if (weight.dim() == 4)
     return on_panels<at::BFloat16>(x, packed_weight, weight, 2 * weight.size(1), bias, epilogue, other,
                                    rayinfer::blocked_linear);
   if (weight.dim() == 3)
     return on_panels<float>(x, packed_weight, weight, weight.size(1), bias, epilogue, other, rayinfer::blocked_linear_f32);
-  const int64_t K = weight.size(1), N = weight.size(0);
-  const bool few = x.dim() >= 1 && x.size(-1) == K && x.numel() <= max_rows(x.scalar_type()) * K && x.numel() > 0;
-  const bool dense = x.is_contiguous() && weight.is_contiguous() && x.scalar_type() == weight.scalar_type() &&
-                     (!other || (other->is_contiguous() && other->numel() == x.numel() / K * N &&
-                                 other->scalar_type() == x.scalar_type()));
-  if (!few || !dense || (x.scalar_type() != at::kBFloat16 && x.scalar_type() != at::kFloat))
-    return onednn(x, packed_weight, bias, epilogue, other);
+  const int64_t K = weight.size(1);
+  const bool few = x.numel() <= max_rows(x.scalar_type()) * K && x.numel() > 0;
+  const bool ours = x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat;
+  if (!few || !ours || !x.is_contiguous() || !weight.is_contiguous()) return onednn(x, packed_weight, bias, epilogue, other);
   Epilogue e{Epilogue::Kind(epilogue_kind(epilogue)), other ? other->data_ptr() : nullptr};
   if (x.scalar_type() == at::kBFloat16) return few_rows<at::BFloat16>(x, weight, bias, e);
   return few_rows<float>(x, weight, bias, e);
