@@ -167,7 +167,13 @@ class LLMEngine:
         return outputs
 
     def _append(self, seq: Sequence, token: int, logprob: TokenLogprob | None, now: float) -> StepOutput:
-        seq.append_token(token, logprob)
+        if seq.failure is None:
+            try:
+                seq.append_token(token, logprob)
+            except Exception as exc:  # noqa: BLE001 - one request's constraint or values fail it alone
+                seq.failure = exc
+        if seq.failure is not None:
+            return self._fail(seq)
         is_first = seq.timings.first_token is None
         if is_first:
             seq.timings.first_token = now
@@ -177,6 +183,14 @@ class LLMEngine:
         if seq.finish_reason is not None:
             self._finish(seq)
         return self._output(seq, token, logprob, is_first)
+
+    def _fail(self, seq: Sequence) -> StepOutput:
+        """seq alone ends, finish_reason "error", its blocks freed; the step's others go on."""
+        # The type only: a message could quote the request.
+        logger.error("request %s failed inside a step: %s", seq.request_id, type(seq.failure).__name__)
+        seq.finish_reason = "error"
+        self._finish(seq)
+        return self._output(seq, None, None, is_first=False)
 
     def _finish_prompt_only(self, seq: Sequence, now: float) -> StepOutput:
         """A prompt-only request (max_tokens 0): done once its prompt is scored."""

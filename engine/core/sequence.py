@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.request.outputs import RequestFailedError
 from engine.sampling.grammar import GrammarState
 from engine.sampling.logits_controls import TokenCounts
 from engine.request.token_logprob import TokenLogprob
@@ -70,6 +71,9 @@ class Sequence:
         # Where the output is constrained (structured outputs): the grammar's state after the
         # output so far. It moves only as tokens are appended, so a preempted sequence keeps it.
         self.grammar: GrammarState | None = None
+        # What failed this sequence alone inside a step (its grammar's mask, say): the step's
+        # postprocess ends it with finish_reason "error" instead of appending its token.
+        self.failure: Exception | None = None
         # Logprobs, where the request asks for them: of each prompt token given its prefix
         # (the first has none), filled in as prefill chunks compute them; of the output so far.
         self.prompt_logprobs: list[TokenLogprob | None] | None = None if params.prompt_logprobs is None else [None]
@@ -94,7 +98,7 @@ class Sequence:
 
     def append_token(self, token_id: int, logprob: TokenLogprob | None) -> None:
         if self.grammar is not None and not self.grammar.accept(token_id):
-            raise RuntimeError(f"{self.request_id}: token {token_id} drawn outside its grammar's mask")
+            raise RequestFailedError(f"token {token_id} drawn outside its grammar's mask")
         self.token_ids.append(token_id)
         if self.token_counts is not None:
             self.token_counts.add(token_id)

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from engine.request.token_logprob import TokenLogprob
-from engine.request.outputs import ChunkTimings, GenerationChunk, StepOutput
+from engine.request.outputs import ChunkTimings, GenerationChunk, RequestFailedError, StepOutput
 from engine.request.scheduling import Scheduling
 
 
@@ -47,6 +47,10 @@ class RequestStream:
         return self.last is None and self.error is None
 
     def push(self, output: StepOutput, min_tokens: int) -> None:
+        if output.finish_reason == "error":  # ended and freed by the engine: nothing left to abort
+            self.is_finished = True
+            self.fail(RequestFailedError(f"request {self.request_id} failed inside an engine step"))
+            return
         if output.token_id is not None:
             self.token_ids.append(output.token_id)
         if output.logprob is not None:

@@ -15,6 +15,12 @@ class EngineDeadError(RuntimeError):
     """The engine's step loop crashed; every in-flight and future request fails with this."""
 
 
+class RequestFailedError(RuntimeError):
+    """One request failed inside a step (its grammar could not fill its mask or refused the
+    token drawn): it alone ended, finish_reason "error"; the engine and the step's other
+    requests go on. The engine's log names the failure's type under the request's id."""
+
+
 class EngineOverloadedError(RuntimeError):
     """The engine's waiting bounds are full; retry after retry_after_s seconds."""
 
@@ -35,7 +41,7 @@ class StepOutput:
 
     request_id: str
     token_id: int | None
-    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" (RequestFailedError) | None while running
     num_prompt_tokens: int
     timings: RequestTimings
     logprob: TokenLogprob | None = None  # of token_id, where params.logprobs is set

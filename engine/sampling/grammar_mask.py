@@ -39,7 +39,7 @@ class GrammarMask:
         started = time.perf_counter()
         bitmask = xgr.allocate_token_bitmask(len(seqs), vocab_size)
         for row in rows:
-            seqs[row].grammar.fill(bitmask, row)
+            fill(seqs[row], bitmask, row)
         return cls(rows, bitmask, time.perf_counter() - started)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
@@ -52,3 +52,13 @@ class GrammarMask:
         xgr.apply_token_bitmask_inplace(masked, self.bitmask.to(masked.device), indices=self.rows)
         self.seconds += time.perf_counter() - started
         return masked
+
+
+def fill(seq: Sequence, bitmask: torch.Tensor, row: int) -> None:
+    """seq's row of the bitmask; where its grammar cannot fill it, the failure is the
+    sequence's alone (the step's postprocess ends it), and its row stays all allowed."""
+    try:
+        seq.grammar.fill(bitmask, row)
+    except Exception as exc:  # noqa: BLE001 - one request's grammar fails it alone, never the step
+        seq.failure = exc
+        bitmask[row] = -1
