@@ -69,7 +69,6 @@ def test_detokenize_in_vllms_shape(http: httpx.Client, gpt2_tokenizer) -> None:
     ("/tokenize", {}, "prompt"),
     ("/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "x"}]}, "prompt"),
     ("/tokenize", {"prompt": 12}, "prompt"),
-    ("/tokenize", {"prompt": "x", "model": "not-served"}, "model"),
     ("/tokenize", {"prompt": "x", "add_special_tokens": "yes"}, "add_special_tokens"),
     ("/tokenize", {"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ x }}"}, "chat_template"),
     ("/tokenize", {"prompt": "x", "unknown_field": 1}, "unknown_field"),

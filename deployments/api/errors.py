@@ -1,16 +1,27 @@
-"""Errors in OpenAI's shape: every failure leaves the ingress as the error object
-`{"error": {"message", "type", "param", "code"}}` with one of these statuses (never
-FastAPI's 422, never a bare 500 for bad input):
+"""The API's one failure policy. Every failure leaves the ingress as OpenAI's error object
+`{"error": {"message", "type", "param", "code"}}` with one of these statuses (never FastAPI's
+422, never a bare 500):
 
-    400  invalid_request_error   malformed JSON, invalid UTF-8, not an object, a bad field
-                                 (param names it; None for a body that is not an object)
+    400  invalid_request_error   a request error: malformed JSON, invalid UTF-8, not an object, a bad
+                                 field (param names it; None for a body that is not an object). Only
+                                 the errors raised for bad input: the protocol's validation, ApiError,
+                                 InvalidRequestError; an arbitrary ValueError is internal (500)
     401  invalid_request_error   missing or wrong API key (code invalid_api_key)
-    404  invalid_request_error   no such route
+    404  invalid_request_error   not found: no such route; a model this server does not serve (param
+                                 model, code model_not_found, as OpenAI's)
     413  invalid_request_error   body over max_body_bytes (code request_too_large)
-    429  rate_limit_exceeded     the engine's waiting bounds or its Serve queue are full;
+    429  rate_limit_exceeded     overload: the engine's waiting bounds or its Serve queue are full;
                                  Retry-After says when to come back
-    503  server_error            the engine crashed or a replica is being replaced; Retry-After
-    500  server_error            anything else (logged by type and request id, never content)
+    503  server_error            unavailable: the engine crashed, or an engine or tokenizer replica is
+                                 down or being replaced; Retry-After
+    500  server_error            internal: anything else, a request that failed inside an engine step
+                                 (RequestFailedError: it alone, the engine serves on) included. The
+                                 message says only "internal error" and the request id; the log has
+                                 the error's type under that id, never the request's content
+
+Before a response has started these are its status and body (the routes raise them, and
+`ErrorPolicy` catches what a route did not); once a stream has started, its last SSE event
+carries the same error object before `[DONE]` (deployments/api/sse.py).
 
 Numbers at the edges of JSON, each a 400 on purpose (the ranges: engine/request/sampling_limits.py):
 - NaN, Infinity and -Infinity parse (as Python's json reads them), and every numeric field
@@ -27,9 +38,11 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+import uuid
+from collections.abc import Callable, Sequence
 from typing import Any
 
+from fastapi.responses import JSONResponse
 from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
@@ -59,13 +72,16 @@ class ApiError(Exception):
             return {}
         return {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
 
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body, status_code=self.status, headers=self.headers)
+
 
 def bad_request(error: EncodeError) -> ApiError:
     return ApiError(400, error.message, param=error.param, code=error.code)
 
 
 def unknown_model(name: str) -> ApiError:
-    return ApiError(400, f"the model {name!r} does not exist; GET /v1/models lists the served one",
+    return ApiError(404, f"the model {name!r} does not exist; GET /v1/models lists the served one",
                     param="model", code="model_not_found")
 
 
@@ -80,7 +96,8 @@ def unavailable(message: str) -> ApiError:
 
 
 def as_api_error(exc: BaseException, request_id: str | None = None) -> ApiError:
-    """The error in OpenAI's shape; an unexpected one is logged by its type and request_id."""
+    """The error in OpenAI's shape, by the policy above; an internal one is logged by its type
+    and request_id (one is made where the request has none yet)."""
     # An error raised in another replica arrives as a RayTaskError holding it as `cause`.
     cause = getattr(exc, "cause", None) or exc
     if isinstance(cause, ApiError):
@@ -95,11 +112,40 @@ def as_api_error(exc: BaseException, request_id: str | None = None) -> ApiError:
         return unavailable("a replica is unavailable or restarting; retry shortly")
     if isinstance(cause, InvalidRequestError):  # the engine rejected the request (request_rules.py)
         return ApiError(400, str(cause), param=cause.param, code=cause.code)
-    if isinstance(cause, ValueError):
-        return ApiError(400, str(cause))
+    return internal(cause, request_id or f"req-{uuid.uuid4().hex}")
+
+
+def internal(error: BaseException, request_id: str) -> ApiError:
     # The type only: a message or traceback could quote the request.
-    logger.error("request %s failed: %s", request_id or "(before its id)", type(cause).__name__)
-    return ApiError(500, "internal error", "server_error")
+    logger.error("request %s failed: %s", request_id, type(error).__name__)
+    return ApiError(500, f"internal error (request id {request_id})", "server_error")
+
+
+class ErrorPolicy:
+    """Whatever a route raised that no handler turned into a response, as the policy says
+    (a tokenizer replica that is down: 503; anything unexpected: 500), not Starlette's bare
+    500 and traceback. Pure ASGI, so streams pass through untouched; an error after a
+    response has started is the stream's own to report (deployments/api/sse.py)."""
+
+    def __init__(self, app: Callable) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def send_and_note_start(message: dict) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_note_start)
+        except Exception as exc:  # noqa: BLE001 - every failure leaves in OpenAI's shape
+            if started:
+                raise
+            await as_api_error(exc).response()(scope, receive, send)
 
 
 _MESSAGES = {

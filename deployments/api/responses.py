@@ -101,4 +101,4 @@ async def text_stream(gen: Generation) -> AsyncIterator[str]:
                 if delta.text:
                     yield delta.text
     except Exception as exc:  # noqa: BLE001 - text/plain has no error channel once started
-        logger.warning("generation %s failed mid-stream: %s", gen.id, as_api_error(exc))
+        logger.warning("generation %s failed mid-stream: %s", gen.id, as_api_error(exc, gen.id))

@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments.api.encoding import Encoder
 from deployments.api.engine_client import EngineClient
-from deployments.api.errors import ApiError, as_api_error, invalid_body
+from deployments.api.errors import ApiError, ErrorPolicy, as_api_error, invalid_body
 from deployments.api.handles import over_grpc
 from deployments.api.http_body import documented_body
 from deployments.observability.metrics import RequestCounterMiddleware, TokenizerMetrics
@@ -32,12 +32,14 @@ from engine.request.invalid_request import InvalidRequestError
 from engine.model.loader import load_tokenizer
 
 api = FastAPI(title="rayinfer", description="OpenAI-compatible completions for GPT-2-family models")
+api.add_middleware(ErrorPolicy)  # inside the counter, which then counts the status it gave
 api.add_middleware(RequestCounterMiddleware)
 
 
+# The failure policy, deployments/api/errors.py: the handlers below and ErrorPolicy apply it.
 @api.exception_handler(ApiError)
 async def api_error(request: Request, exc: ApiError) -> JSONResponse:
-    return JSONResponse(exc.body, status_code=exc.status, headers=exc.headers)
+    return exc.response()
 
 
 @api.exception_handler(InvalidRequestError)  # an engine rule, checked in this process (e.g. SamplingParams)
@@ -47,14 +49,13 @@ async def invalid_request(request: Request, exc: InvalidRequestError) -> JSONRes
 
 @api.exception_handler(RequestValidationError)
 async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-    error = invalid_body(exc.errors(), skip=1)  # loc starts with "body" (or "query")
-    return JSONResponse(error.body, status_code=error.status)
+    return invalid_body(exc.errors(), skip=1).response()  # loc starts with "body" (or "query")
 
 
 @api.exception_handler(StarletteHTTPException)
 async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     """404, 405 and the like in OpenAI's shape too."""
-    return JSONResponse(ApiError(exc.status_code, str(exc.detail)).body, status_code=exc.status_code)
+    return ApiError(exc.status_code, str(exc.detail)).response()
 
 
 # The routes are functions of the replica's Serving, not methods: the same app serves in

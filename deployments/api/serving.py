@@ -74,7 +74,7 @@ class Serving:
         if body.stream:
             events = sse_events(gen, fmt, body.include_usage, body.continuous_usage)
             return StreamingResponse(events, media_type="text/event-stream")
-        return await whole(openai_body(gen, fmt))
+        return await whole(openai_body(gen, fmt), request_id)
 
     def check_fits(self, prompts: list[Encoded], body: OpenAIBody) -> None:
         """A request whose choices could never be admitted together under the engine's
@@ -105,7 +105,7 @@ class Serving:
         headers = {"Server-Timing": timing.header()}
         if body.stream:
             return StreamingResponse(text_stream(gen), media_type="text/plain; charset=utf-8", headers=headers)
-        return PlainTextResponse((await whole(collect(gen))).texts[0], headers=headers)
+        return PlainTextResponse((await whole(collect(gen), request_id)).texts[0], headers=headers)
 
     def models(self, request: Request) -> dict:
         self.api_keys.check(request.headers.get("authorization"))
@@ -185,10 +185,11 @@ class Serving:
                           num_prompt_tokens, prepend(first, deltas), timing)
 
 
-async def whole(body: Awaitable[T]) -> T:
-    """A non-streamed body; an error after its first token (an engine replica that died
-    mid-generation) is an HTTP error in OpenAI's shape too, a 503 with Retry-After."""
+async def whole(body: Awaitable[T], request_id: str) -> T:
+    """A non-streamed body; an error after its first token is an HTTP error in OpenAI's shape
+    too: an engine replica that died mid-generation a 503 with Retry-After, a request that
+    failed inside a step a 500 naming request_id."""
     try:
         return await body
     except Exception as exc:
-        raise as_api_error(exc) from exc
+        raise as_api_error(exc, request_id) from exc

@@ -46,5 +46,5 @@ async def sse_events(gen: Generation, fmt: OpenAIFormat, include_usage: bool,
         if include_usage:
             yield sse(chunk([], usage=gen.usage(num_tokens), server_timing=gen.timing.as_dict()))
     except Exception as exc:  # noqa: BLE001 - the stream has started: report in-band
-        yield sse(as_api_error(exc).body)
+        yield sse(as_api_error(exc, gen.id).body)
     yield sse("[DONE]")

@@ -3,7 +3,8 @@
 - RAYINFER_TEST_HOOKS=1 in the replica's environment opens `EngineReplica.test_hook(name)`,
   run on the engine's step loop between two steps: "check_integrity" asserts the KV pool's
   invariants (the leak checks), "fail_next_step" makes the next step raise as a bug in the
-  model would (the fault-injection tests).
+  model would, "fail_next_request" makes the next request added fail alone inside the
+  step that draws its second token, as one whose constraint broke would (the fault-injection tests).
 - RAYINFER_LOAD_LOG_DIR=<dir> makes each replica append every change of its open requests,
   and the work each asks of it, to <dir>/<replica id>.log: the scale-out benchmarks and
   tests check the router's load bound against them.
@@ -34,12 +35,40 @@ def fail_next_step(engine: LLMEngine) -> None:
     engine.step = failing_step  # this engine's own: the loop's next step calls it
 
 
+class _RefusesSecondToken:
+    """A grammar state that takes a request's first token and refuses its second."""
+
+    is_terminated = False
+
+    def __init__(self) -> None:
+        self.num_accepted = 0
+
+    def fill(self, bitmask, row: int) -> None:
+        pass  # every token allowed
+
+    def accept(self, token_id: int) -> bool:
+        self.num_accepted += 1
+        return self.num_accepted < 2
+
+
+def fail_next_request(engine: LLMEngine) -> None:
+    add_request = engine.add_request
+
+    def add_and_break(request_id: str, *args, **kwargs) -> None:
+        engine.add_request = add_request  # once
+        add_request(request_id, *args, **kwargs)
+        engine._seqs[request_id].grammar = _RefusesSecondToken()
+
+    engine.add_request = add_and_break
+
+
 def check_integrity(engine: LLMEngine) -> None:
     engine.check_integrity()
 
 
 TEST_HOOKS: dict[str, Callable[[LLMEngine], None]] = {"check_integrity": check_integrity,
-                                                       "fail_next_step": fail_next_step}
+                                                       "fail_next_step": fail_next_step,
+                                                       "fail_next_request": fail_next_request}
 
 
 class ReplicaHooks:
