@@ -61,7 +61,7 @@ class EngineReplica:
                        scheduling: Scheduling = Scheduling()) -> AsyncIterator[GenerationChunk]:
         """Every token ready since the last chunk; the last chunk has a finish_reason.
 
-        Raises ValueError before the first chunk for a request that can never run.
+        Raises InvalidRequestError before the first chunk for a request that can never run.
         """
         self._num_requests += 1
         self._hooks.arrived(request_id, prompt_token_ids, params.max_tokens)
