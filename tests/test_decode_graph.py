@@ -108,7 +108,7 @@ def test_our_kv_write_is_index_copy(dtype: torch.dtype):
     write_new_kv(expected, new_kv, slots, native=False)
     write_new_kv(pool, new_kv[:, :4], slots, native=True)
     assert torch.equal(pool, expected)
-    with pytest.raises(RuntimeError, match="slot 20 outside the pool's 20"):
+    with pytest.raises(RuntimeError, match="slot 20 at index 3 is outside the pool's slots of 20"):
         write_new_kv(pool, new_kv, torch.tensor([1, 2, 3, 20]), native=True)
 
 
