@@ -208,7 +208,8 @@ class Caller:
 
     async def _one(self, prompt: list[int], max_tokens: int) -> str | None:
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        chunks = [chunk async for chunk in self._handle.generate.remote(uuid.uuid4().hex, prompt, params)]
+        call = self._handle.generate.remote(request_id=uuid.uuid4().hex, prompt_token_ids=prompt, params=params)
+        chunks = [chunk async for chunk in call]
         return chunks[-1].finish_reason
 
 

@@ -33,8 +33,7 @@ LONG = 400  # output tokens of a stream that outlives the steps a test takes aro
 @pytest.fixture(scope="module")
 def base_url(tiny_gpt2_dir: Path) -> Iterator[str]:
     keys = [f"{HEAVY_KEY} name=heavy", f"{LIGHT_KEY} name=light weight=1"]
-    args = tiny_app_args(tiny_gpt2_dir, engine=ENGINE_ARGS, tokenizer_num_replicas=1, api_keys=keys,
-                         ingress="engine")
+    args = tiny_app_args(tiny_gpt2_dir, engine=ENGINE_ARGS, tokenizer_num_replicas=1, api_keys=keys)
     with running_app(make_app(args), APP) as instance:
         yield instance.url
 

@@ -36,9 +36,16 @@ if TYPE_CHECKING:
 logger = logging.getLogger("ray.serve")  # the replica's log file
 
 
-class EngineReplica:
-    """An engine replica's methods: the engine deployment's, and the HTTP engine's too
-    (deployments/replicas/engine_server.py), which serves the routes in the same process."""
+@serve.deployment(
+    name="EngineDeployment",
+    ray_actor_options={"num_cpus": 0.5},  # build_app adds num_gpus: 1 where the cluster has GPUs
+    max_ongoing_requests=256,  # continuous batching wants every stream in the engine at once
+    max_queued_requests=64,  # past it the ingress's handle raises BackPressureError: a 429
+    graceful_shutdown_timeout_s=30,
+    health_check_period_s=2,  # how soon Serve notices a dead replica (RELIABILITY.md)
+    logging_config={"enable_access_log": False},
+)
+class EngineDeployment:
 
     def __init__(self, config: EngineConfig, max_chunks_per_s: ChunkBudget = "auto", cpu_bind: str = "nobind") -> None:
         route_logs_to_serve("engine")
@@ -104,9 +111,6 @@ class EngineReplica:
         await self._hooks.call(self._engine, name)
 
     def __del__(self) -> None:
-        self.stop_engine()
-
-    def stop_engine(self) -> None:
         metrics = getattr(self, "_metrics", None)
         if metrics is not None:
             metrics.stop()
@@ -114,17 +118,3 @@ class EngineReplica:
         if engine is not None:
             engine.shutdown()
 
-
-ENGINE_OPTIONS = dict(
-    ray_actor_options={"num_cpus": 0.5},  # build_app adds num_gpus: 1 where the cluster has GPUs
-    graceful_shutdown_timeout_s=30,
-    health_check_period_s=2,  # how soon Serve notices a dead replica (RELIABILITY.md)
-)
-
-EngineDeployment = serve.deployment(
-    name="EngineDeployment",
-    max_ongoing_requests=256,  # continuous batching wants every stream in the engine at once
-    max_queued_requests=64,  # past it the ingress's handle raises BackPressureError: a 429
-    logging_config={"enable_access_log": False},
-    **ENGINE_OPTIONS,
-)(EngineReplica)
