@@ -89,9 +89,12 @@ def build_app(args: dict) -> serve.Application:
     return make_app(args)
 
 
-def make_app(args: dict, deployment_options: dict[str, dict] | None = None) -> serve.Application:
-    """`deployment_options` (deployment name -> Serve options) is for Python callers such as
-    tests; a config file's `deployments:` list does the same for `serve run`."""
+def make_app(args: dict, deployment_options: dict[str, dict] | None = None,
+             engine_class: type | None = None) -> serve.Application:
+    """For Python callers such as tests and benchmarks: `deployment_options` (deployment name
+    -> Serve options), as a config file's `deployments:` list sets them for `serve run`;
+    `engine_class`, a subclass of the engine deployment's class to run in its place (tests
+    inject faults with one, benchmarks log load with another)."""
     app_args = AppArgs.model_validate(args)
     options = deployment_options or {}
     num_gpus = engine_num_gpus(app_args)
@@ -105,6 +108,8 @@ def make_app(args: dict, deployment_options: dict[str, dict] | None = None) -> s
     http_args = (app_args.served_model_name or app_args.model, app_args.model, app_args.api_keys,
                  app_args.max_body_bytes, app_args.local_encode_max_chars, app_args.tenant_by_user)
     engine_options = engine_deployment_options(app_args, num_gpus) | options.get("EngineDeployment", {})
+    if engine_class is not None:
+        engine_options["func_or_class"] = engine_class
     engine_app = EngineDeployment.options(**engine_options).bind(*engine_args)
     return Ingress.options(**options.get("Ingress", {})).bind(tokenizer_app, engine_app, *http_args)
 

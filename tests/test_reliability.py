@@ -21,9 +21,9 @@ import pytest
 import ray
 from ray import serve
 
-from deployments.app import make_app
 from deployments.api.prompt_encoding import DEFAULT_LOCAL_MAX_CHARS
 from engine import LLM, SamplingParams
+from tests.engine_faults import faulty_app
 from tests.http_helpers import (
     MODEL, PROMPTS, Stream, assert_idle_and_intact, assert_openai_error, greedy, health_of, run_async, until, wait_for,
     wait_until_idle,
@@ -58,7 +58,7 @@ def deployment_options(engine_health_check_period_s: float = 1) -> dict[str, dic
 
 @pytest.fixture(scope="module")
 def base_url(tiny_gpt2_dir: Path) -> Iterator[str]:
-    with running_app(make_app(app_args(tiny_gpt2_dir), deployment_options()), APP) as instance:
+    with running_app(faulty_app(app_args(tiny_gpt2_dir), deployment_options()), APP) as instance:
         yield instance.url
 
 
@@ -418,7 +418,7 @@ def test_an_engine_crash_ends_live_streams_with_an_error_event_and_serve_replace
 
     async def scenario(http: httpx.AsyncClient):
         streams = await fill_the_engine(http)
-        await engine_handle().test_hook.remote("fail_next_step")
+        await engine_handle().fail_next_step.remote()
         await asyncio.gather(*(s.task for s in streams))
         return streams
 
@@ -434,9 +434,9 @@ def test_a_dead_engine_makes_health_and_requests_a_503_with_retry_after(tiny_gpt
     # Its own app, whose engine Serve health-checks too rarely to replace within the test:
     # the dead engine stays up to be asked.
     options = deployment_options(engine_health_check_period_s=600)
-    serve.run(make_app(app_args(tiny_gpt2_dir, api_keys=[]), options), name="dead", route_prefix="/dead")
+    serve.run(faulty_app(app_args(tiny_gpt2_dir, api_keys=[]), options), name="dead", route_prefix="/dead")
     try:
-        serve.get_deployment_handle("EngineDeployment", "dead").test_hook.remote("fail_next_step").result()
+        serve.get_deployment_handle("EngineDeployment", "dead").fail_next_step.remote().result()
         with httpx.Client(base_url=f"{base_url}/dead", timeout=60) as dead:
             crashed = dead.post("/v1/completions", json=greedy(PROMPTS[0], max_tokens=4))  # its step raises
             assert assert_openai_error(crashed, 503, "server_error")["code"] == "service_unavailable"
@@ -502,7 +502,7 @@ def test_a_killed_tokenizer_replica_is_replaced_and_service_resumes(http: httpx.
 
 
 def test_deleting_an_app_lets_its_live_streams_finish(tiny_gpt2_dir: Path, base_url: str) -> None:
-    serve.run(make_app(app_args(tiny_gpt2_dir, api_keys=[])), name="draining", route_prefix="/draining")
+    serve.run(faulty_app(app_args(tiny_gpt2_dir, api_keys=[])), name="draining", route_prefix="/draining")
     body = long_stream(PROMPTS[0], max_tokens=300) | {"stream_options": {"include_usage": True}}
     deleted: list[bool] = []
 

@@ -16,13 +16,13 @@ import ray
 from ray import serve
 
 from deployments import app as app_module
-from deployments.app import build_app
 from deployments.api.engine_replicas import EngineReplicas
 from deployments.api.handles import over_grpc
 from deployments.api.encoding import Encoded, EncodeRequest
 from engine import LLM, SamplingParams
 from loadtest.client.workload import Workload
 from loadtest.client.handle_target import HandleTarget, run_over_handle
+from tests.engine_faults import faulty_app
 from tests.http_helpers import (
     PROMPTS, check_engine_integrity, engine_health, greedy, sse_payloads, wait_until_idle,
 )
@@ -38,7 +38,7 @@ ENGINE_ARGS = {"num_kv_blocks": 48, "max_num_seqs": 32, "max_num_batched_tokens"
 
 @pytest.fixture(scope="module")
 def base_url(tiny_gpt2_dir: Path) -> Iterator[str]:
-    app = build_app(tiny_app_args(tiny_gpt2_dir, engine=ENGINE_ARGS, tokenizer_num_replicas=2))
+    app = faulty_app(tiny_app_args(tiny_gpt2_dir, engine=ENGINE_ARGS, tokenizer_num_replicas=2))
     with running_app(app, APP) as instance:
         yield instance.url
 

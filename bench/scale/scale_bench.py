@@ -11,7 +11,7 @@ fresh local Ray (so every setup starts with empty prefix caches):
     single-replica  1 engine replica with one replica's CPUs: what a second replica adds to,
                     on a machine with the cores for both (`--num-cpus`, `--app-arg engine_num_cpus=4`)
 
-    python -m loadtest.scale.scale_bench --config configs/scale-out.yaml --workload shared \\
+    python -m bench.scale.scale_bench --config configs/scale-out.yaml --workload shared \\
         --setups prefix-router,serve-default --weights random --engine num_kv_blocks=160
 """
 
@@ -33,13 +33,12 @@ import ray
 import yaml
 from ray import serve
 
-from deployments.app import make_app
 from loadtest.client.http_target import Target
-from deployments.replicas.hooks import LOAD_LOG_DIR_ENV, read_load_logs
 from deployments.routing.router import PrefixAffinityRouter
-from loadtest.scale.load_balance import ArrivalLoads, arrival_loads
+from bench.scale.load_balance import ArrivalLoads, arrival_loads
 from loadtest.client.machine import machine_line, utc_now
-from loadtest.scale.prefix_workloads import PrefixWorkload, ReplicaCounts, engine_replica_counts, run_http
+from bench.scale.load_log import LOAD_LOG_DIR_ENV, ReplicaCounts, engine_replica_counts, make_logged_app, read_load_logs
+from loadtest.scale.prefix_workloads import PrefixWorkload, run_http
 from loadtest.client.results import BenchResult
 
 SETUPS = ("prefix-router", "serve-default", "one-replica", "single-replica")
@@ -57,7 +56,7 @@ class SetupResult:
     bench: BenchResult
     replicas: dict[str, ReplicaCounts]
     loads: ArrivalLoads  # requests in each replica when one arrived
-    work_loads: ArrivalLoads  # the same in work (loadtest/scale/load_balance.py)
+    work_loads: ArrivalLoads  # the same in work (bench/scale/load_balance.py)
     ideal_hit_tokens: int
 
     @property
@@ -112,7 +111,7 @@ def app_from_config(config_path: Path, setup: str, overrides: dict) -> serve.App
         if setup == "one-replica":
             args["engine_num_cpus"] = args.get("engine_num_cpus", 0.5) * replicas
         engine["num_replicas"] = 1
-    return make_app(args, options)
+    return make_logged_app(args, options)
 
 
 def run_setup(config_path: Path, setup: str, overrides: dict, workload: PrefixWorkload, port: int,
