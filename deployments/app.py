@@ -1,11 +1,7 @@
 """The Serve application: `import_path: deployments.app:build_app` in configs/*.yaml.
 
     Ingress ──encode──▶ TokenizerDeployment   (CPU, autoscaled; prompts too long to encode in the ingress)
-            ──generate (stream)──▶ EngineDeployment   (one replica: a GPU where the cluster has one)
-
-or, with `ingress: engine`, the routes in the engine replica itself (deployments/replicas/engine_server.py):
-
-    EngineDeployment (routes + engine) ──encode──▶ TokenizerDeployment
+            ──generate (stream)──▶ EngineDeployment   (a replica per GPU where the cluster has them)
 
 Options a config file's `deployments:` list sets (replicas, autoscaling,
 max_ongoing_requests, ray_actor_options) override the code's; the engine's
@@ -18,16 +14,15 @@ import math
 from typing import Annotated, Any, Literal
 
 import ray
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 from ray import serve
 
 from deployments.replicas.cpu_binding import validate_spec
 from deployments.routing.chunk_budget import ChunkBudget
 from deployments.replicas.engine_deployment import EngineDeployment
-from deployments.replicas.engine_server import EngineServer
 from deployments.replicas.engine_runtime import engine_runtime_env
 from deployments.api.http_body import DEFAULT_MAX_BODY_BYTES
-from deployments.replicas.ingress import ON_REPLICA_LOOP, Ingress
+from deployments.replicas.ingress import Ingress
 from deployments.api.prompt_encoding import DEFAULT_LOCAL_MAX_CHARS
 from deployments.replicas.tokenizer_deployment import TokenizerDeployment
 from engine import EngineConfig
@@ -77,11 +72,16 @@ class AppArgs(BaseModel):
     # metrics label it by a short hash). With keys, the key does.
     tenant_by_user: bool = False
     max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, ge=1)  # larger bodies get 413
-    # Where the HTTP routes run. deployment: an Ingress deployment of their own, calling the
-    # engine replicas by handle (routes that scale apart; prompts routed by prefix). engine:
-    # in each engine replica (deployments/replicas/engine_server.py), a Ray hop less per request and
-    # per chunk. A config file's `deployments:` list names Ingress only with the first.
-    ingress: Literal["deployment", "engine"] = "deployment"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_ingress_arg(cls, args: Any) -> Any:
+        """The routes always run in the Ingress deployment; a config still choosing where
+        (`ingress: engine` served them in the engine replica) is told so, not ignored."""
+        if isinstance(args, dict) and "ingress" in args:
+            raise ValueError(f"the app arg `ingress: {args['ingress']}` is gone: the HTTP routes always run in "
+                             "their own Ingress deployment (`ingress: engine` is no longer served); delete the arg")
+        return args
 
 
 def build_app(args: dict) -> serve.Application:
@@ -89,9 +89,12 @@ def build_app(args: dict) -> serve.Application:
     return make_app(args)
 
 
-def make_app(args: dict, deployment_options: dict[str, dict] | None = None) -> serve.Application:
-    """`deployment_options` (deployment name -> Serve options) is for Python callers such as
-    tests; a config file's `deployments:` list does the same for `serve run`."""
+def make_app(args: dict, deployment_options: dict[str, dict] | None = None,
+             engine_class: type | None = None) -> serve.Application:
+    """For Python callers such as tests and benchmarks: `deployment_options` (deployment name
+    -> Serve options), as a config file's `deployments:` list sets them for `serve run`;
+    `engine_class`, a subclass of the engine deployment's class to run in its place (tests
+    inject faults with one, benchmarks log load with another)."""
     app_args = AppArgs.model_validate(args)
     options = deployment_options or {}
     num_gpus = engine_num_gpus(app_args)
@@ -105,8 +108,8 @@ def make_app(args: dict, deployment_options: dict[str, dict] | None = None) -> s
     http_args = (app_args.served_model_name or app_args.model, app_args.model, app_args.api_keys,
                  app_args.max_body_bytes, app_args.local_encode_max_chars, app_args.tenant_by_user)
     engine_options = engine_deployment_options(app_args, num_gpus) | options.get("EngineDeployment", {})
-    if app_args.ingress == "engine":
-        return EngineServer.options(**engine_options).bind(tokenizer_app, *engine_args, *http_args)
+    if engine_class is not None:
+        engine_options["func_or_class"] = engine_class
     engine_app = EngineDeployment.options(**engine_options).bind(*engine_args)
     return Ingress.options(**options.get("Ingress", {})).bind(tokenizer_app, engine_app, *http_args)
 
@@ -119,10 +122,8 @@ def engine_deployment_options(args: AppArgs, num_gpus: float) -> dict:
 
 
 def engine_actor_options(args: AppArgs, num_gpus: float) -> dict:
-    # Serving HTTP too, the engine replica calls the tokenizer's handle as the Ingress does.
-    env = args.engine_env if args.ingress == "deployment" else ON_REPLICA_LOOP | args.engine_env
     return {"num_cpus": args.engine_num_cpus, "num_gpus": num_gpus,
-            "runtime_env": engine_runtime_env(args.engine_preload, env)}
+            "runtime_env": engine_runtime_env(args.engine_preload, args.engine_env)}
 
 
 def engine_config(args: AppArgs, num_gpus: float) -> EngineConfig:

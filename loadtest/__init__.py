@@ -1,6 +1,4 @@
-"""Load and benchmark tools. At the top, what a user runs: locustfile.py, bench.py (any
-OpenAI-compatible server), engine_bench.py (offline engine vs HF and vLLM), make_checkpoint,
-lmeval_check, fuzz, real_clients.sh. client/ is what those tools send and how they read and
-report it. The harness behind the results page: peers/ (vLLM and transformers serve side
-by side), micro/ (one op or one step), scale/ (replicas and routing), chaos/ (faults and
-killed replicas)."""
+"""The load tools a user runs against a server: locustfile.py, bench.py (any OpenAI-compatible
+server), fuzz.py, chaos/ (faults and killed replicas), scale/ (replicas and routing),
+make_checkpoint. client/ is what those tools send and how they read and report it. Peer
+set-ups and micro-benchmarks live outside the package, in bench/."""

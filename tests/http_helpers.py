@@ -67,8 +67,9 @@ def wait_for(predicate: Callable[[], bool], timeout_s: float = 20, interval_s: f
 
 def check_engine_integrity(app: str) -> None:
     """The serving engine's own KV pool check (ref counts, free + used = total), beyond the
-    counts /health reports. Raises AssertionError (through Ray) when it fails."""
-    serve.get_deployment_handle("EngineDeployment", app).test_hook.remote("check_integrity").result(timeout_s=30)
+    counts /health reports, in an app built with tests/engine_faults.py's faulty_app. Raises
+    AssertionError (through Ray) when it fails."""
+    serve.get_deployment_handle("EngineDeployment", app).check_integrity.remote().result(timeout_s=30)
 
 
 def assert_idle_and_intact(client: httpx.Client, app: str) -> None:

@@ -9,19 +9,20 @@ import time
 import psutil
 import pytest
 
-from deployments.replicas.hooks import fail_next_step
-from engine import LLM, AsyncEngine, EngineConfig, EngineDeadError, EngineOverloadedError, LLMEngine, SamplingParams
+from engine import LLM, AsyncEngine, EngineConfig, EngineDeadError, EngineOverloadedError, SamplingParams
 from engine.core import heap
 from engine.frontend import step_loop
 from engine.request.invalid_request import InvalidRequestError
+from tests.engine_faults import fail_next_step
 from tests.engine_helpers import mixed_prompts
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
 
 
-def make_engine(model_dir, max_chunks_per_s: float | None = None, **config) -> AsyncEngine:
-    return AsyncEngine(EngineConfig(model=str(model_dir), weights="pretrained", dtype="float32", device="cpu", compile_decode=False, **config),
-                       max_chunks_per_s=max_chunks_per_s)
+def make_engine(model_dir, max_chunks_per_s: float | None = None, engine_class: type[AsyncEngine] = AsyncEngine,
+                **config) -> AsyncEngine:
+    return engine_class(EngineConfig(model=str(model_dir), weights="pretrained", dtype="float32", device="cpu",
+                                     compile_decode=False, **config), max_chunks_per_s=max_chunks_per_s)
 
 
 @pytest.fixture
@@ -80,15 +81,29 @@ def test_first_and_last_chunks_carry_timings(engine):
         assert chunk.timings.ttft_s >= chunk.timings.queue_wait_s >= 0
 
 
-def test_step_outputs_reach_asyncio_once_per_step(engine):
-    calls = []
-    original = engine.step_loop.on_output
-    engine.step_loop.on_output = lambda message: (calls.append(len(message.outputs)), original(message))
+class CountingEngine(AsyncEngine):
+    """Counts the outputs of each StepOutputs message the step loop hands the asyncio side."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        self.handed_over: list[int] = []
+        super().__init__(*args, **kwargs)
+
+    def _receive(self, message) -> None:
+        self.handed_over.append(len(getattr(message, "outputs", ())))
+        super()._receive(message)
+
+
+def test_step_outputs_reach_asyncio_once_per_step(tiny_gpt2_dir):
+    engine = make_engine(tiny_gpt2_dir, engine_class=CountingEngine)
 
     async def main():
         return await asyncio.gather(*(collect(engine, f"r{i}", [i + 1]) for i in range(6)))
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    finally:
+        engine.shutdown()
+    calls = [n for n in engine.handed_over if n]
     assert sum(calls) == 6 * 20
     assert len(calls) < 6 * 20  # several requests' tokens per hand-over
 
@@ -101,7 +116,7 @@ def test_breaking_out_of_a_stream_aborts_the_request_and_frees_its_blocks(engine
 
     asyncio.run(main())
     assert engine.num_active_requests() == 0
-    asyncio.run(engine.call_on_loop(LLMEngine.check_integrity))  # on the loop thread, between steps
+    engine.engine.check_integrity()  # idle: the step loop waits for work and touches nothing
 
 
 def test_an_event_loop_closed_under_an_open_stream_frees_its_request_and_the_engine_serves_on(engine):
@@ -188,7 +203,7 @@ def test_a_crash_in_the_step_loop_fails_in_flight_requests_and_marks_the_engine_
     async def main():
         stream = engine.generate("doomed", [1, 2, 3], SamplingParams(max_tokens=500, temperature=0, ignore_eos=True))
         await stream.__anext__()
-        await engine.call_on_loop(fail_next_step)
+        fail_next_step(engine.engine)
         with pytest.raises(EngineDeadError, match="fault injected by a test"):
             async for _ in stream:
                 pass
@@ -307,7 +322,7 @@ def test_a_replicas_load_report_is_current_while_idle_and_counts_the_work_ahead_
     async def main():
         stream = engine.generate("busy", list(range(300, 340)), SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
         await anext(stream)  # the prompt computed, the first token out
-        busy = EngineLoad.of(engine, 1)
+        busy = EngineLoad.of(engine)
         await stream.aclose()
         await wait_until(lambda: engine.num_active_requests() == 0)
         return busy
@@ -316,6 +331,6 @@ def test_a_replicas_load_report_is_current_while_idle_and_counts_the_work_ahead_
     assert busy.num_pending_prompt_tokens == 0 and 0 < busy.num_pending_decode_tokens < 50
     time.sleep(0.2)  # the last step's stamp is now older than the report below
     asked_at = time.time()
-    idle = EngineLoad.of(engine, 1)
+    idle = EngineLoad.of(engine)
     assert (idle.num_pending_prompt_tokens, idle.num_pending_decode_tokens) == (0, 0)
     assert idle.pending_at >= asked_at > busy.pending_at  # stamped when asked, not at the last step

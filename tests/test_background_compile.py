@@ -50,8 +50,15 @@ def slow_compile(monkeypatch) -> threading.Event:
     return release
 
 
+def compiling(config: EngineConfig) -> tuple[LLMEngine, threading.Event]:
+    """An engine compiling its decode graph in the background, and the event its compile sets
+    when it ends (done or failed)."""
+    ended = threading.Event()
+    return LLMEngine(config, compile_in_background=True, on_compiled=ended.set), ended
+
+
 def test_the_engine_answers_on_eager_steps_before_the_graph_is_ready(tiny_gpt2_dir, slow_compile):
-    engine = LLMEngine(EngineConfig(model=str(tiny_gpt2_dir), **CONFIG), compile_in_background=True)
+    engine, compiled = compiling(EngineConfig(model=str(tiny_gpt2_dir), **CONFIG))
     prompts = mixed_prompts(3)
     try:
         assert engine.runner.decode_graph is None
@@ -61,22 +68,22 @@ def test_the_engine_answers_on_eager_steps_before_the_graph_is_ready(tiny_gpt2_d
         assert engine.runner.decode_graph is None
     finally:
         slow_compile.set()
-        assert engine.wait_for_compile(timeout_s=300)
+        assert compiled.wait(300)
     engine.check_integrity()
 
 
 def test_steps_take_the_graph_once_it_is_ready_with_the_same_tokens(tiny_gpt2_dir, slow_compile, caplog):
-    engine = LLMEngine(EngineConfig(model=str(tiny_gpt2_dir), **CONFIG), compile_in_background=True)
+    engine, compiled = compiling(EngineConfig(model=str(tiny_gpt2_dir), **CONFIG))
     prompts = mixed_prompts(3)
     eager = generate(engine, prompts, "eager")
     slow_compile.set()
-    assert engine.wait_for_compile(timeout_s=300)
+    assert compiled.wait(300)
     with caplog.at_level(logging.INFO, logger="engine.core.llm_engine"):
-        compiled = generate(engine, prompts, "compiled")
+        graph_tokens = generate(engine, prompts, "compiled")
     assert engine.runner.decode_graph.num_steps >= 7  # every decode step after the switch
     assert "steps now compiled" in caplog.text
     assert engine.scheduler.max_num_batched_tokens == 128  # the graph's budget
-    assert compiled == eager  # fp32, greedy: the graph's tokens are the eager path's
+    assert graph_tokens == eager  # fp32, greedy: the graph's tokens are the eager path's
     engine.check_integrity()
 
 
@@ -84,12 +91,12 @@ def test_steps_keep_their_torch_threads_while_the_graph_compiles_and_after(tiny_
     """The compile's thread sets its own torch threads, never the step loop's: one-token steps
     on one thread, the rest on the engine's two, before the switch and after."""
     config = EngineConfig(model=str(tiny_gpt2_dir), num_threads=2, one_thread_max_tokens=1, **CONFIG)
-    engine = LLMEngine(config, compile_in_background=True)
+    engine, compiled = compiling(config)
     seen = record_threads(engine)
     prompts = mixed_prompts(3)
     generate(engine, prompts[2:], "before")
     slow_compile.set()
-    assert engine.wait_for_compile(timeout_s=300)
+    assert compiled.wait(300)
     generate(engine, prompts[2:], "after")
     assert engine.runner.decode_graph.num_steps >= 7
     assert seen and all(threads == (1 if tokens == 1 else 2) for tokens, threads in seen), seen
@@ -100,8 +107,8 @@ def test_a_background_compile_that_fails_leaves_steps_eager_with_one_warning(tin
         raise RuntimeError("no C++ compiler")  # the fault: what inductor raises without one
 
     monkeypatch.setattr(DecodeGraph, "warm_up", no_compiler)
-    engine = LLMEngine(EngineConfig(model=str(tiny_gpt2_dir), **CONFIG), compile_in_background=True)
-    assert engine.wait_for_compile(timeout_s=60)
+    engine, compiled = compiling(EngineConfig(model=str(tiny_gpt2_dir), **CONFIG))
+    assert compiled.wait(60)
     assert [len(tokens) for tokens in generate(engine, mixed_prompts(2), "eager")] == [8, 8]
     assert engine.runner.decode_graph is None
     warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]

@@ -50,13 +50,12 @@ def test_without_preload_or_env_the_engine_gets_the_replica_defaults_alone() -> 
     assert back["runtime_env"] == {"env_vars": {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "1"}}
 
 
-def test_an_engine_serving_the_routes_runs_their_handle_routers_on_its_own_loop_too() -> None:
-    options = engine_actor_options(AppArgs(ingress="engine", engine_env={"KMP_AFFINITY": "disabled"}), 0)
-    assert options["runtime_env"] == {"env_vars": {**REPLICA_DEFAULTS, **ON_REPLICA_LOOP, "KMP_AFFINITY": "disabled"}}
-    back = engine_actor_options(AppArgs(ingress="engine", engine_env={"RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "1"}), 0)
-    assert back["runtime_env"]["env_vars"]["RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP"] == "1"  # engine_env wins
-    with pytest.raises(ValueError, match="ingress"):
-        AppArgs.model_validate({"ingress": "proxy"})
+@pytest.mark.parametrize("layout", ["engine", "deployment"])
+def test_an_app_arg_choosing_where_the_routes_run_is_refused_by_name(layout: str) -> None:
+    """The routes run in the Ingress deployment alone: a config still naming a layout is
+    told so at build, not served in another."""
+    with pytest.raises(ValueError, match=f"`ingress: {layout}` is gone"):
+        build_app({"model": "gpt2", "ingress": layout})
 
 
 def test_engine_cpu_replicas_sets_the_replica_count_on_cpu_and_never_on_gpus() -> None:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from ray import serve
 from ray.exceptions import ActorDiedError, ActorUnavailableError
@@ -23,11 +24,11 @@ from ray.serve._private.common import DeploymentID
 from ray.serve.exceptions import DeploymentUnavailableError
 
 from deployments.api.errors import as_api_error
-from deployments.api.routes import api, replica_serving
+from deployments.api.routes import api
 from deployments.api.security import ApiKeys
 from deployments.api.serving import Serving
-from deployments.app import make_app
 from engine import ModelInfo
+from tests.engine_faults import faulty_app
 from tests.http_helpers import assert_idle_and_intact, assert_openai_error, greedy
 from tests.serve_helpers import running_app, tiny_app_args
 
@@ -38,12 +39,12 @@ REQUEST_ID = re.compile(r"request id ((cmpl|chatcmpl|gen|req)-[0-9a-f]{32})")
 @pytest.fixture(scope="module")
 def base_url(tiny_gpt2_dir: Path) -> Iterator[str]:
     args = tiny_app_args(tiny_gpt2_dir, engine={"num_kv_blocks": 64}, tokenizer_num_replicas=1)
-    with running_app(make_app(args), APP) as instance:
+    with running_app(faulty_app(args), APP) as instance:
         yield instance.url
 
 
-def engine_hook(name: str) -> None:
-    serve.get_deployment_handle("EngineDeployment", APP).test_hook.remote(name).result(timeout_s=30)
+def fail_next_request() -> None:
+    serve.get_deployment_handle("EngineDeployment", APP).fail_next_request.remote().result(timeout_s=30)
 
 
 def assert_internal(error: dict) -> str:
@@ -79,7 +80,7 @@ def test_a_model_this_server_does_not_serve_is_a_404_naming_it(http: httpx.Clien
 
 @pytest.mark.serve
 def test_a_request_failing_inside_a_step_is_a_500_naming_its_id_and_the_engine_serves_on(http: httpx.Client) -> None:
-    engine_hook("fail_next_request")
+    fail_next_request()
     response = http.post("/v1/completions", json=greedy("hi", max_tokens=8, ignore_eos=True))
     assert assert_internal(assert_openai_error(response, 500, "server_error")).startswith("cmpl-")
     assert http.post("/v1/completions", json=greedy("hi", max_tokens=8)).status_code == 200
@@ -88,7 +89,7 @@ def test_a_request_failing_inside_a_step_is_a_500_naming_its_id_and_the_engine_s
 
 @pytest.mark.serve
 def test_a_stream_failing_inside_a_step_ends_with_an_error_event_and_the_engine_serves_on(http: httpx.Client) -> None:
-    engine_hook("fail_next_request")
+    fail_next_request()
     with http.stream("POST", "/v1/completions", json=greedy("hi", max_tokens=8, ignore_eos=True, stream=True)) as r:
         assert r.status_code == 200  # its first token came: the failure is its second
         payloads = [line.removeprefix("data: ") for line in r.iter_lines() if line]
@@ -114,6 +115,19 @@ class DownTokenizer:
         raise self.error
 
 
+def app_with_policy(serving: Serving) -> FastAPI:
+    """The three tokenizer routes as the Ingress serves them (a line each into Serving),
+    under the product app's error handling: its middleware and handlers."""
+    app = FastAPI()
+    app.router.routes = []
+    app.user_middleware = list(api.user_middleware)
+    app.exception_handlers = dict(api.exception_handlers)
+    app.post("/tokenize")(serving.tokenize)
+    app.post("/detokenize")(serving.detokenize)
+    app.get("/tokenizer_info")(serving.tokenizer_info)
+    return app
+
+
 UNAVAILABLE = [ActorDiedError(), ActorUnavailableError("the replica is restarting", None),
                DeploymentUnavailableError(DeploymentID("TokenizerDeployment", APP))]
 
@@ -129,12 +143,8 @@ def test_a_tokenizer_route_with_its_replica_down_is_the_encode_paths_503_with_re
     info = ModelInfo("tiny", "random", 1024, 50257, 50256, "float32", "cpu")
     serving = Serving(tokenizer, None, None, "tiny", ApiKeys([]), 1 << 20, info, None)
     encode_path = as_api_error(error)
-    api.dependency_overrides[replica_serving] = lambda: serving
-    try:
-        with TestClient(api) as client:
-            response = client.request(method, path, json=body)
-    finally:
-        api.dependency_overrides.clear()
+    with TestClient(app_with_policy(serving)) as client:
+        response = client.request(method, path, json=body)
     assert response.json() == encode_path.body and encode_path.status == 503
     assert_openai_error(response, 503, "server_error")
     assert response.headers["retry-after"] == "1"

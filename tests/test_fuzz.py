@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from deployments.app import build_app
 from loadtest.fuzz import Tally, engine_at_rest, fuzz
+from tests.engine_faults import faulty_app
 from tests.http_helpers import check_engine_integrity
 from tests.serve_helpers import running_app, tiny_app_args
 
@@ -23,7 +23,7 @@ MAX_EXAMPLES = 500  # 12-18 s on 2 cores; `python -m loadtest.fuzz` runs as many
 
 @pytest.fixture(scope="module")
 def base_url(tiny_gpt2_dir: Path) -> Iterator[str]:
-    with running_app(build_app(tiny_app_args(tiny_gpt2_dir, engine=ENGINE_ARGS)), "rayinfer") as instance:
+    with running_app(faulty_app(tiny_app_args(tiny_gpt2_dir, engine=ENGINE_ARGS)), "rayinfer") as instance:
         yield instance.url
 
 

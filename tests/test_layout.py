@@ -1,5 +1,5 @@
-"""The code's shape, read from its imports with `ast`: three floors, loadtest -> deployments
--> engine, and inside each floor its rooms (sub-packages) in an order, with no arrow up and
+"""The code's shape, read from its imports with `ast`: four floors, bench -> loadtest ->
+deployments -> engine (bench/ outside the wheel), and inside each floor its rooms (sub-packages) in an order, with no arrow up and
 no import circle; every room says its job; no private name (`_x`) imported from another
 file; no function longer than a screen. Each rule is one test that lists every breach."""
 
@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-FLOORS = ("engine", "deployments", "loadtest")  # each may import only those before it and itself
+FLOORS = ("engine", "deployments", "loadtest", "bench")  # each may import only those before it and itself
+SHIPPED = ("engine", "deployments", "loadtest")  # the wheel's packages; bench/ stays in the repository
 # Each floor's rooms, lowest first: a module may import its own room and those before it.
 # A room is a sub-package, or a top-level module named here (engine/config.py); the floor's
 # other top-level modules (deployments/app.py, loadtest's tools) are the room named as the floor.
@@ -21,7 +22,8 @@ ROOMS = {
                "engine.core", "engine.frontend", "engine"),
     "deployments": ("deployments.observability", "deployments.routing", "deployments.api", "deployments.replicas",
                     "deployments"),
-    "loadtest": ("loadtest.client", "loadtest.chaos", "loadtest.peers", "loadtest.scale", "loadtest", "loadtest.micro"),
+    "loadtest": ("loadtest.client", "loadtest.chaos", "loadtest.scale", "loadtest"),
+    "bench": ("bench.peers", "bench.scale", "bench", "bench.micro"),
 }
 # The room that needs no torch: the processes that only check requests import it alone.
 NO_TORCH = "engine.request"
@@ -99,6 +101,14 @@ def breaches(check) -> list[str]:
 def test_no_import_points_up_a_floor() -> None:
     upward = breaches(lambda here, there: there.split(".")[0] == "tests" or floor(there) > floor(here))
     assert upward == [], f"each of {FLOORS} may import only those before it"
+
+
+def test_the_wheel_ships_the_three_lower_floors_alone_and_no_sitecustomize() -> None:
+    import tomllib
+
+    include = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    assert sorted(include) == sorted(f"{package}*" for package in SHIPPED)
+    assert [str(p.relative_to(ROOT)) for p in source_files(SHIPPED) if p.name == "sitecustomize.py"] == []
 
 
 def test_no_import_points_up_a_room() -> None:

@@ -24,8 +24,8 @@ from starlette.responses import StreamingResponse
 from starlette.routing import Route
 
 from loadtest import bench
-from loadtest.micro.ceiling import median_run
-from loadtest.engine_bench import Result
+from bench.micro.ceiling import median_run
+from bench.engine_bench import Result
 from loadtest.client.headless import run_locust
 from loadtest.client.http_target import BenchConfig, Target, heap_frozen, request_body, run_benchmark
 from loadtest.client.offline_target import OfflineTarget, run_offline

@@ -15,12 +15,12 @@ from deployments.routing.prefix_routing import (
     Choice, block_hashes, choose, choose_by_work, load_bound, prefix_key, rendezvous_order, request_work,
 )
 from deployments.routing.cache_shadow import CacheShadow
-from deployments.replicas.hooks import LoadLog, read_load_logs
+from bench.scale.load_log import LoadLog, read_load_logs
 from deployments.routing.router import request_load, work_load
 from engine.core.block_manager import BlockManager
 from engine.request.sampling_params import SamplingParams
 from engine.core.sequence import Sequence
-from loadtest.scale.load_balance import arrival_loads
+from bench.scale.load_balance import arrival_loads
 
 BLOCK = 16
 REPLICAS = [f"replica-{i}" for i in range(4)]

@@ -45,7 +45,7 @@ def test_the_ideal_is_one_miss_per_prefix():
 def test_each_setup_is_judged_against_its_routers_bound_with_the_routers_own_defaults(tmp_path):
     """scale_bench: the config's request_router_kwargs, then the setup's; what both leave
     out is what PrefixAffinityRouter itself defaults to."""
-    from loadtest.scale.scale_bench import router_kwargs
+    from bench.scale.scale_bench import router_kwargs
 
     config = tmp_path / "router.yaml"
     config.write_text(yaml.safe_dump({"applications": [{"deployments": [{

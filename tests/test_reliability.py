@@ -1,6 +1,7 @@
 # Reliability and security as a client meets them: a real Ray Serve instance on CPU with
-# the tiny checkpoint, API keys on, small bounds so overload is easy to reach, fast health
-# checks so a crashed engine is replaced within seconds, and fault injection enabled.
+# the tiny checkpoint, the routes in their Ingress deployment as shipped, API keys on, small
+# bounds so overload is easy to reach, fast health checks so a crashed engine is replaced
+# within seconds, and fault injection enabled.
 #
 # The engine runs at most 2 sequences and admits at most 2 more waiting ones: two long
 # streams fill it, so "queued" and "overloaded" are states a test can set up exactly.
@@ -20,9 +21,9 @@ import pytest
 import ray
 from ray import serve
 
-from deployments.app import make_app
 from deployments.api.prompt_encoding import DEFAULT_LOCAL_MAX_CHARS
 from engine import LLM, SamplingParams
+from tests.engine_faults import faulty_app
 from tests.http_helpers import (
     MODEL, PROMPTS, Stream, assert_idle_and_intact, assert_openai_error, greedy, health_of, run_async, until, wait_for,
     wait_until_idle,
@@ -45,32 +46,19 @@ LONG = 900  # output tokens of a stream that outlives the steps a test takes aro
 RECOVERY_TIMEOUT_S = 90
 
 
-def app_args(model_dir: Path, ingress: str, **overrides) -> dict:
+def app_args(model_dir: Path, **overrides) -> dict:
     return tiny_app_args(model_dir, **{"engine": ENGINE_ARGS, "tokenizer_num_replicas": 1, "api_keys": [API_KEY],
-                                       "max_body_bytes": MAX_BODY_BYTES, "ingress": ingress, **overrides})
+                                       "max_body_bytes": MAX_BODY_BYTES, **overrides})
 
 
-def deployment_options(ingress: str, engine_health_check_period_s: float = 1) -> dict[str, dict]:
+def deployment_options(engine_health_check_period_s: float = 1) -> dict[str, dict]:
     engine = {"health_check_period_s": engine_health_check_period_s, "health_check_timeout_s": 10}
-    options = {"EngineDeployment": engine, "TokenizerDeployment": {"health_check_period_s": 1}}
-    if ingress == "engine":
-        engine.update(HTTP_LIMITS)
-    else:
-        options["Ingress"] = HTTP_LIMITS
-    return options
-
-
-# The routes in the engine replica (`ingress: engine`) (deployments/app.py,
-# `ingress`); test_reliability_ingress.py runs the faults, disconnects and overload again
-# with the routes in an Ingress deployment of their own.
-@pytest.fixture(scope="module")
-def ingress() -> str:
-    return "engine"
+    return {"EngineDeployment": engine, "TokenizerDeployment": {"health_check_period_s": 1}, "Ingress": HTTP_LIMITS}
 
 
 @pytest.fixture(scope="module")
-def base_url(tiny_gpt2_dir: Path, ingress: str) -> Iterator[str]:
-    with running_app(make_app(app_args(tiny_gpt2_dir, ingress), deployment_options(ingress)), APP) as instance:
+def base_url(tiny_gpt2_dir: Path) -> Iterator[str]:
+    with running_app(faulty_app(app_args(tiny_gpt2_dir), deployment_options()), APP) as instance:
         yield instance.url
 
 
@@ -428,7 +416,7 @@ def test_an_engine_crash_ends_live_streams_with_an_error_event_and_serve_replace
 
     async def scenario(http: httpx.AsyncClient):
         streams = await fill_the_engine(http)
-        await engine_handle().test_hook.remote("fail_next_step")
+        await engine_handle().fail_next_step.remote()
         await asyncio.gather(*(s.task for s in streams))
         return streams
 
@@ -440,14 +428,13 @@ def test_an_engine_crash_ends_live_streams_with_an_error_event_and_serve_replace
     wait_for(lambda: replica_names("EngineDeployment") not in ([], [old_name]), RECOVERY_TIMEOUT_S, 0.5)
 
 
-def test_a_dead_engine_makes_health_and_requests_a_503_with_retry_after(tiny_gpt2_dir: Path, base_url: str,
-                                                                       ingress: str) -> None:
+def test_a_dead_engine_makes_health_and_requests_a_503_with_retry_after(tiny_gpt2_dir: Path, base_url: str) -> None:
     # Its own app, whose engine Serve health-checks too rarely to replace within the test:
     # the dead engine stays up to be asked.
-    options = deployment_options(ingress, engine_health_check_period_s=600)
-    serve.run(make_app(app_args(tiny_gpt2_dir, ingress, api_keys=[]), options), name="dead", route_prefix="/dead")
+    options = deployment_options(engine_health_check_period_s=600)
+    serve.run(faulty_app(app_args(tiny_gpt2_dir, api_keys=[]), options), name="dead", route_prefix="/dead")
     try:
-        serve.get_deployment_handle("EngineDeployment", "dead").test_hook.remote("fail_next_step").result()
+        serve.get_deployment_handle("EngineDeployment", "dead").fail_next_step.remote().result()
         with httpx.Client(base_url=f"{base_url}/dead", timeout=60) as dead:
             crashed = dead.post("/v1/completions", json=greedy(PROMPTS[0], max_tokens=4))  # its step raises
             assert assert_openai_error(crashed, 503, "server_error")["code"] == "service_unavailable"
@@ -460,23 +447,46 @@ def test_a_dead_engine_makes_health_and_requests_a_503_with_retry_after(tiny_gpt
         serve.delete("dead")
 
 
-def test_with_the_routes_in_the_engine_a_killed_replica_cuts_its_streams_and_requests_wait_for_its_replacement(
+def test_a_killed_ingress_replica_is_replaced_and_service_resumes(http: httpx.Client) -> None:
+    killed = kill_the_replica("Ingress")
+    assert set(wait_until_served(http)) <= {503}  # the proxy keeps the port and answers meanwhile
+    assert killed not in replica_names("Ingress")
+
+
+NO_REPLICA = "no engine replica is up"  # the Ingress's own 503, given without waiting for one
+
+
+def assert_unavailable(response: httpx.Response) -> str:
+    """A JSON 503 in OpenAI's shape with Retry-After; its message."""
+    error = assert_openai_error(response, 503, "server_error")
+    assert error["code"] == "service_unavailable" and response.headers["retry-after"] == "1"
+    return error["message"]
+
+
+def test_a_killed_engine_replica_fails_fast_and_loud_until_its_replacement_serves(
         base_url: str, http: httpx.Client) -> None:
-    """What `ingress: engine` gives (test_reliability_ingress.py: what `ingress: deployment`
-    gives): the process that would send the error event is the one killed, and Serve's proxy
-    neither ends the stream in-band nor answers for the missing replica."""
     [old_name] = replica_names("EngineDeployment")
 
     async def scenario(http: httpx.AsyncClient):
         stream = Stream(http, long_stream(PROMPTS[0]))
         await stream.first_chunk.wait()
+        whole = asyncio.create_task(http.post("/v1/completions", json=greedy(PROMPTS[1], LONG, ignore_eos=True)))
+        await until(http, lambda health: health["stats"]["num_running"] == 2)  # both mid-generation
         replica_process("EngineDeployment").kill()  # SIGKILL
-        await asyncio.gather(stream.task, return_exceptions=True)
-        return stream
+        await stream.task
+        return stream, await whole
 
-    stream = run(scenario, base_url)
-    assert stream.payloads and "[DONE]" not in stream.payloads and stream.error is None  # cut
-    assert http.post("/v1/completions", json=greedy(PROMPTS[2], max_tokens=4)).status_code == 200  # once replaced
+    stream, whole = run(scenario, base_url)
+    # the stream in flight: an error event, then [DONE]
+    assert stream.status == 200 and stream.payloads[-1] == "[DONE]"
+    assert stream.error["code"] == "service_unavailable" and "error" in json.loads(stream.payloads[-2])
+    assert_unavailable(whole)  # the non-streaming request in flight
+    # Sent during the outage: the 503 comes from the Ingress's replica watch, not from a wait
+    # for the replacement (which would have served it: a 200).
+    assert NO_REPLICA in assert_unavailable(http.post("/v1/completions", json=greedy(PROMPTS[2], max_tokens=4)))
+    status, health = health_of(http)
+    assert status == 503 and NO_REPLICA in health["error"]["message"]
+    assert set(wait_until_served(http)) <= {503}
     assert old_name not in replica_names("EngineDeployment")
 
 
@@ -489,8 +499,8 @@ def test_a_killed_tokenizer_replica_is_replaced_and_service_resumes(http: httpx.
     assert killed not in replica_names("TokenizerDeployment")
 
 
-def test_deleting_an_app_lets_its_live_streams_finish(tiny_gpt2_dir: Path, base_url: str, ingress: str) -> None:
-    serve.run(make_app(app_args(tiny_gpt2_dir, ingress, api_keys=[])), name="draining", route_prefix="/draining")
+def test_deleting_an_app_lets_its_live_streams_finish(tiny_gpt2_dir: Path, base_url: str) -> None:
+    serve.run(faulty_app(app_args(tiny_gpt2_dir, api_keys=[])), name="draining", route_prefix="/draining")
     body = long_stream(PROMPTS[0], max_tokens=300) | {"stream_options": {"include_usage": True}}
     deleted: list[bool] = []
 

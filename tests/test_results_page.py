@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtest.results_page import closing_table, rows
+from bench.results_page import closing_table, rows
 
 ROOT = Path(__file__).resolve().parents[1]
 ROWS = rows("/tmp/gpt2-random", "/tmp/http-ckpt", "/work/.venvs")

@@ -25,10 +25,10 @@ import pytest
 import ray
 from ray import serve
 
-from deployments.replicas.hooks import LOAD_LOG_DIR_ENV, read_load_logs
+from bench.scale.load_log import LOAD_LOG_DIR_ENV, read_load_logs
 from deployments.routing.prefix_routing import prefix_key, rendezvous_order
 from engine import SamplingParams
-from loadtest.scale.load_balance import arrival_loads
+from bench.scale.load_balance import arrival_loads
 from tests.http_helpers import wait_for
 from tests.serve_helpers import deploy_config, replica_processes, running_config
 from tests.test_observability import scrape_until
@@ -81,13 +81,13 @@ def app_config(tiny_gpt2_dir: Path, load_log_dir: Path, num_replicas: int, route
     adds or removes replicas while the others keep running."""
     engine = {"name": "EngineDeployment", "num_replicas": num_replicas, "request_router_config": router,
               "graceful_shutdown_timeout_s": 5}
-    return {"name": APP, "route_prefix": "/", "import_path": "deployments.app:build_app",
+    return {"name": APP, "route_prefix": "/", "import_path": "bench.scale.load_log:build_app",
             "args": app_args(tiny_gpt2_dir, load_log_dir), "deployments": [engine]}
 
 
 @pytest.fixture(scope="module")
 def load_log_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Engine replicas log their load here (deployments/replicas/hooks.py), told by their
+    """Engine replicas log their load here (bench/scale/load_log.py), told by their
     environment (app_args' engine_env)."""
     return tmp_path_factory.mktemp("load-logs")
 
@@ -208,7 +208,8 @@ class Caller:
 
     async def _one(self, prompt: list[int], max_tokens: int) -> str | None:
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        chunks = [chunk async for chunk in self._handle.generate.remote(uuid.uuid4().hex, prompt, params)]
+        call = self._handle.generate.remote(request_id=uuid.uuid4().hex, prompt_token_ids=prompt, params=params)
+        chunks = [chunk async for chunk in call]
         return chunks[-1].finish_reason
 
 

@@ -18,7 +18,7 @@ import ray
 from ray import serve
 from ray.cluster_utils import Cluster
 
-from deployments.app import make_app
+from bench.scale.load_log import make_logged_app
 from deployments.routing.prefix_routing import prefix_key, rendezvous_order
 from tests.serve_helpers import CONTROLLER_OPTIONS, free_port, reaped, running_app, shut_serve_and_ray
 from tests.test_scale_out import (APP, BLOCK, KEY_BLOCKS, ROUTER, app_args, complete, engine_replicas,
@@ -51,7 +51,7 @@ def wait_until(predicate, timeout_s: float, what: str) -> None:
 def test_a_burst_scales_the_engine_up_and_quiet_scales_it_down_without_a_failed_request(tiny_gpt2_dir):
     options = {"EngineDeployment": {"autoscaling_config": AUTOSCALING, "request_router_config": ROUTER,
                                     "graceful_shutdown_timeout_s": 5}}
-    with running_app(make_app(app_args(tiny_gpt2_dir), options), APP) as instance:
+    with running_app(make_logged_app(app_args(tiny_gpt2_dir), options), APP) as instance:
         url = instance.url
         assert num_running_engine_replicas() == 1
         statuses: list[int] = []
@@ -99,7 +99,7 @@ def test_two_nodes_serve_over_http_with_an_engine_replica_on_each(tiny_gpt2_dir:
     port = free_port()
     # One engine replica per node, as a user spreading engines over machines asks Serve for:
     # by CPUs alone both could land on the head once the ingress took the worker's spare CPU.
-    app = make_app({**app_args(tiny_gpt2_dir), "engine_num_cpus": 1},
+    app = make_logged_app({**app_args(tiny_gpt2_dir), "engine_num_cpus": 1},
                    {"EngineDeployment": {"num_replicas": 2, "max_replicas_per_node": 1,
                                          "request_router_config": ROUTER}})
     with two_node_cluster():

@@ -1,6 +1,5 @@
 # The HTTP API as a client meets it: a real Ray Serve instance on CPU (2 tokenizer replicas,
-# one engine replica, the FastAPI routes in an Ingress deployment or in the engine replica:
-# every test runs against both), real HTTP, the real GPT-2 tokenizer and the tiny
+# one engine replica, the FastAPI routes in an Ingress deployment), real HTTP, the real GPT-2 tokenizer and the tiny
 # checkpoint from conftest.py.
 from __future__ import annotations
 
@@ -17,12 +16,13 @@ import ray
 from ray import serve
 
 from deployments import app as app_module
-from deployments.app import build_app
+from deployments.api.engine_replicas import EngineReplicas
 from deployments.api.handles import over_grpc
 from deployments.api.encoding import Encoded, EncodeRequest
 from engine import LLM, SamplingParams
 from loadtest.client.workload import Workload
 from loadtest.client.handle_target import HandleTarget, run_over_handle
+from tests.engine_faults import faulty_app
 from tests.http_helpers import (
     PROMPTS, check_engine_integrity, engine_health, greedy, sse_payloads, wait_until_idle,
 )
@@ -36,23 +36,17 @@ APP = "rayinfer"
 ENGINE_ARGS = {"num_kv_blocks": 48, "max_num_seqs": 32, "max_num_batched_tokens": 256}
 
 
-@pytest.fixture(scope="module", params=["deployment", "engine"])
-def ingress(request: pytest.FixtureRequest) -> str:
-    return request.param
-
-
 @pytest.fixture(scope="module")
-def base_url(tiny_gpt2_dir: Path, ingress: str) -> Iterator[str]:
-    app = build_app(tiny_app_args(tiny_gpt2_dir, engine=ENGINE_ARGS, tokenizer_num_replicas=2, ingress=ingress))
+def base_url(tiny_gpt2_dir: Path) -> Iterator[str]:
+    app = faulty_app(tiny_app_args(tiny_gpt2_dir, engine=ENGINE_ARGS, tokenizer_num_replicas=2))
     with running_app(app, APP) as instance:
         yield instance.url
 
 
-def test_the_routes_run_where_the_ingress_arg_puts_them(base_url: str, ingress: str) -> None:
+def test_the_routes_run_in_the_ingress_deployment(base_url: str) -> None:
     deployments = serve.status().applications[APP].deployments
-    expected = {"TokenizerDeployment", "EngineDeployment"} | ({"Ingress"} if ingress == "deployment" else set())
-    assert set(deployments) == expected
-    assert serve.get_app_handle(APP).deployment_name == ("Ingress" if ingress == "deployment" else "EngineDeployment")
+    assert set(deployments) == {"TokenizerDeployment", "EngineDeployment", "Ingress"}
+    assert serve.get_app_handle(APP).deployment_name == "Ingress"
     assert httpx.get(f"{base_url}/health", timeout=30).json()["status"] == "ok"
 
 
@@ -60,9 +54,9 @@ def torch_libraries(process: psutil.Process) -> set[str]:
     return {Path(m.path).name for m in process.memory_maps() if "/torch/" in m.path}
 
 
-def test_the_replicas_that_never_run_the_model_never_load_torch(base_url: str, ingress: str) -> None:
+def test_the_replicas_that_never_run_the_model_never_load_torch(base_url: str) -> None:
     # Each is a scale-out unit of its own: torch would double its memory and start-up.
-    light = ["TokenizerDeployment"] + (["Ingress"] if ingress == "deployment" else [])
+    light = ["TokenizerDeployment", "Ingress"]
     processes = [p for deployment in light for p in replica_processes(deployment, APP)]
     assert len(processes) == len(light) + 1  # two tokenizer replicas
     assert "libtorch_cpu.so" in torch_libraries(replica_process("EngineDeployment", APP))
@@ -216,6 +210,15 @@ def test_the_ingress_handles_stream_engine_chunks_over_grpc(base_url: str, tiny_
     assert chunks[-1].finish_reason == "length"
 
 
+def test_a_handle_sees_the_engine_replica_set_through_serves_router(base_url: str) -> None:
+    """What the Ingress's replica watch reads (deployments/api/engine_replicas.py), live."""
+    handle = over_grpc(serve.get_deployment_handle("EngineDeployment", APP))
+    replicas = EngineReplicas(handle)
+    handle.model_info.remote().result(timeout_s=30)  # the handle's router is built by its first call
+    replicas.check_serve_internals()
+    assert replicas.num_replicas() == 1
+
+
 def test_the_benchmark_drives_the_engine_deployment_over_a_serve_handle(http: httpx.Client) -> None:
     workload = Workload(num_requests=4, prompt_tokens=8, max_tokens=5, temperature=0.0, concurrency=2, warmup=1)
     result = run_over_handle(HandleTarget(APP), workload)
@@ -226,15 +229,6 @@ def test_the_benchmark_drives_the_engine_deployment_over_a_serve_handle(http: ht
     assert ray.is_initialized()  # this test's own driver connection is left alone
     health = wait_until_idle(http)
     assert health["num_active_requests"] == 0 and health["stats"]["num_kv_blocks_used"] == 0
-
-
-def test_over_grpc_keeps_the_handle_on_a_ray_without_the_option() -> None:
-    class OlderHandle:
-        def options(self, **kwargs):
-            raise TypeError(f"unexpected keyword arguments {sorted(kwargs)}")
-
-    handle = OlderHandle()
-    assert over_grpc(handle) is handle
 
 
 def test_a_client_disconnect_mid_stream_aborts_the_request_in_the_engine(http: httpx.Client) -> None:

@@ -177,7 +177,7 @@ def test_serve_run_gpt2_yaml_serves_a_stream_and_shuts_down_cleanly_on_sigint(se
         payloads = [line.removeprefix("data: ") for line in response.iter_lines() if line]
     assert payloads[-1] == "[DONE]"
     assert json.loads(payloads[-2])["usage"]["completion_tokens"] == 4
-    # ingress: deployment: the routes in an Ingress replica, on its own loop, and so the engine's code
+    # the routes in an Ingress replica, on its own loop, and so the engine's code
     for deployment in ("Ingress", "EngineDeployment"):
         environ = replica_process(deployment).environ()
         assert {name: environ.get(name) for name in ON_REPLICA_LOOP} == ON_REPLICA_LOOP

@@ -1,4 +1,4 @@
-"""The start-up bench (loadtest/peers/startup_time.py): its clock runs from launch to the first
+"""The start-up bench (bench/peers/startup_time.py): its clock runs from launch to the first
 answered completion and, where the server logs one, to its full-speed line; a cold run
 starts from empty compile caches."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtest.peers.startup_time import FULL_SPEED_LINE, cold_env, time_start
+from bench.peers.startup_time import FULL_SPEED_LINE, cold_env, time_start
 from tests.serve_helpers import free_port
 
 # A server that listens only after a delay, answers completions, then logs the full-speed

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from deployments.app import make_app
+from tests.engine_faults import faulty_app
 from tests.http_helpers import (
     PROMPTS, Stream, assert_idle_and_intact, assert_openai_error, greedy, until,
 )
@@ -33,9 +33,8 @@ LONG = 400  # output tokens of a stream that outlives the steps a test takes aro
 @pytest.fixture(scope="module")
 def base_url(tiny_gpt2_dir: Path) -> Iterator[str]:
     keys = [f"{HEAVY_KEY} name=heavy", f"{LIGHT_KEY} name=light weight=1"]
-    args = tiny_app_args(tiny_gpt2_dir, engine=ENGINE_ARGS, tokenizer_num_replicas=1, api_keys=keys,
-                         ingress="engine")
-    with running_app(make_app(args), APP) as instance:
+    args = tiny_app_args(tiny_gpt2_dir, engine=ENGINE_ARGS, tokenizer_num_replicas=1, api_keys=keys)
+    with running_app(faulty_app(args), APP) as instance:
         yield instance.url
 
 

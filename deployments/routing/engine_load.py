@@ -2,8 +2,7 @@
 
 Serve polls `record_routing_stats` (for the router, as `replica.routing_stats`) and
 `record_autoscaling_stats` (for the autoscaling policy, as `ctx.aggregated_metrics`) on the
-engine deployment; both read one EngineLoad. (Benchmarks and tests check the router's load
-bound against the replicas' load logs: deployments/replicas/hooks.py.)
+engine deployment; both read one EngineLoad.
 """
 
 from __future__ import annotations
@@ -28,12 +27,11 @@ class EngineLoad:
     num_pending_prompt_tokens: int  # not yet computed, of every live request
     num_pending_decode_tokens: int  # still to decode (up to max_tokens), of every live request
     pending_at: float  # time.time() when the engine counted those two (its last step)
-    num_requests: int  # totals since the replica started
-    num_prefix_queried_tokens: int
+    num_prefix_queried_tokens: int  # totals since the replica started
     num_prefix_hit_tokens: int
 
     @classmethod
-    def of(cls, engine: AsyncEngine, num_requests: int) -> EngineLoad:
+    def of(cls, engine: AsyncEngine) -> EngineLoad:
         stats, num_active, now = engine.stats(), engine.num_active_requests(), time.time()
         num_waiting, num_waiting_tokens = engine.waiting_work()
         # The pending counts are as of the engine's last step; with no request open they are
@@ -49,7 +47,6 @@ class EngineLoad:
                    block_size=engine.config.block_size, num_kv_blocks=stats.num_kv_blocks_total,
                    num_pending_prompt_tokens=pending_prompt, num_pending_decode_tokens=pending_decode,
                    pending_at=pending_at,
-                   num_requests=num_requests,
                    num_prefix_queried_tokens=stats.num_prefix_queried_tokens,
                    num_prefix_hit_tokens=stats.num_prefix_hit_tokens)
 

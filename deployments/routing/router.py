@@ -198,6 +198,8 @@ class PrefixAffinityRouter(RequestRouter):
             self._ended.popleft()
         return self._ended
 
+    # replica_queue_len_cache is a property of Serve's public RequestRouter (alpha); its
+    # ReplicaQueueLengthCache.get is what tests/test_serve_internals.py pins.
     def _is_full(self, replica: RunningReplica) -> bool:
         queue_len = self.replica_queue_len_cache.get(replica.replica_id)
         return queue_len is not None and queue_len >= replica.max_ongoing_requests
@@ -262,12 +264,13 @@ def _check_kwargs(load_bound_eps: float, key_blocks: int, load_unit: str, decode
 
 
 def _prompt(pending_request: PendingRequest | None, block_size: int) -> _Prompt | None:
-    """The prompt of an ingress -> engine `generate(request_id, prompt_token_ids, params)`."""
+    """The prompt of an ingress -> engine `generate` call, read by its arguments' names (the
+    Ingress passes them by keyword: deployments/api/engine_client.py); a call without them
+    is routed by load alone."""
     if pending_request is None or pending_request.metadata.call_method != "generate":
         return None
-    args, kwargs = pending_request.args, pending_request.kwargs
-    token_ids = args[1] if len(args) > 1 else kwargs.get("prompt_token_ids")
-    params = args[2] if len(args) > 2 else kwargs.get("params")
+    token_ids = pending_request.kwargs.get("prompt_token_ids")
+    params = pending_request.kwargs.get("params")
     if not isinstance(token_ids, list):
         return None
     max_tokens = params.max_tokens if isinstance(params, SamplingParams) else 0

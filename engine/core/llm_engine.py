@@ -275,12 +275,6 @@ class LLMEngine:
         self.scheduler.max_num_batched_tokens = self.config.step_tokens(cpu_graph=True)
         logger.info("decode graph ready after %.1f s; steps now compiled", time.monotonic() - started)
 
-    def wait_for_compile(self, timeout_s: float | None = None) -> bool:
-        """Block until no background compile is running (True) or timeout_s passes (False);
-        any thread may call it. Steps take the graph from the next one."""
-        pending = self._compile
-        return pending is None or pending.wait(timeout_s)
-
     def _start_compile(self, on_compiled: Callable[[], None] | None) -> BackgroundCompile | None:
         """The CPU decode graph and the sampler's draw compiling on a thread of their own, eager
         steps meanwhile; None where there is no such graph (CUDA graphs capture here)."""

@@ -19,7 +19,7 @@ from engine.core.heap import trim_heap
 from engine.frontend.inbox import Inbox
 from engine.core.llm_engine import LLMEngine
 from engine.frontend.messages import (
-    AbortRequest, AddRequest, CallOnLoop, EngineFailed, GraphCompiled, InMessage, OutMessage,
+    AbortRequest, AddRequest, EngineFailed, GraphCompiled, InMessage, OutMessage,
     RequestRejected, StepOutputs,
 )
 from engine.request.outputs import EngineDeadError, EngineStats, StepOutput
@@ -52,8 +52,7 @@ class StepRate:
 class StepLoop:
     def __init__(self, config: EngineConfig, on_output: Callable[[OutMessage], None]) -> None:
         self.config = config
-        # Called on each request's event loop; looked up at every call, so a test may wrap it.
-        self.on_output = on_output
+        self._on_output = on_output  # called on each request's event loop
         self.engine: LLMEngine  # set on the loop thread before __init__ returns
         self.stats: EngineStats  # as of the last step: read without stopping the loop
         self.error: EngineDeadError | None = None
@@ -103,7 +102,7 @@ class StepLoop:
             logger.exception("engine step loop crashed")
             self.error = EngineDeadError(f"engine step loop crashed: {exc!r}")
             for loop in set(self._loops.values()):
-                _send(loop, self.on_output, EngineFailed(self.error))
+                _send(loop, self._on_output, EngineFailed(self.error))
 
     def _loop_forever(self) -> None:
         while self._wait_for_work():
@@ -144,21 +143,16 @@ class StepLoop:
                     self.engine.add_request(request_id, prompt_token_ids, params, scheduling, grammar)
                     self._loops[request_id] = loop
                 except ValueError as exc:
-                    _send(loop, self.on_output, RequestRejected(request_id, exc))
+                    _send(loop, self._on_output, RequestRejected(request_id, exc))
                 except Exception as exc:  # noqa: BLE001 - one request's values fail it alone, never the loop
                     # The type and the id only: a message could quote the request.
                     logger.error("request %s refused at admission: unexpected %s", request_id, type(exc).__name__)
-                    _send(loop, self.on_output, RequestRejected(request_id, exc))
+                    _send(loop, self._on_output, RequestRejected(request_id, exc))
             case AbortRequest(request_id):
                 self.engine.abort_request(request_id)
                 self._loops.pop(request_id, None)
             case GraphCompiled():
                 self.engine.take_compiled_graph()
-            case CallOnLoop(fn, done):
-                try:
-                    done.set_result(fn(self.engine))
-                except Exception as exc:  # noqa: BLE001 - the caller's, handed back to it
-                    done.set_exception(exc)
 
     def _publish(self, outputs: list[StepOutput]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list[StepOutput]] = {}
@@ -168,7 +162,7 @@ class StepLoop:
             if output.finish_reason is not None:
                 del self._loops[output.request_id]
         for loop, batch in by_loop.items():
-            if not _send(loop, self.on_output, StepOutputs(batch, self.step_rate.per_s)):
+            if not _send(loop, self._on_output, StepOutputs(batch, self.step_rate.per_s)):
                 self._abandon(loop)
 
     def _abandon(self, loop: asyncio.AbstractEventLoop) -> None:

@@ -49,7 +49,7 @@ async def _measure(target: HandleTarget, workload: Workload) -> BenchResult:
     streams = handle.options(stream=True)
 
     async def generate(request_id: str, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[GenerationChunk]:
-        response = streams.generate.remote(request_id, prompt_ids, params)
+        response = streams.generate.remote(request_id=request_id, prompt_token_ids=prompt_ids, params=params)
         is_done = False
         try:
             async for chunk in response:

@@ -1,5 +1,5 @@
 """Prefix-sharing workloads for the scale-out benchmarks, sent over HTTP with bench.py's
-client, and what each engine replica did with them.
+client.
 
     shared   num_prefixes system prompts of prefix_tokens each, every request one of them
              (uniformly) plus a suffix of its own: a router that keeps each prefix on one
@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from typing import Literal
 
 import httpx
-import ray
 
 from loadtest.client.http_target import Target, send_request
 from loadtest.client.prompts import make_prompt
@@ -93,33 +92,3 @@ async def _run_http(target: Target, workload: PrefixWorkload) -> BenchResult:
         records = await asyncio.gather(*(one(client, prompt) for prompt in workload.prompts()))
         duration = time.perf_counter() - started
     return summarize_run(RunInfo(target.label, target.url, target.api), bench_workload, list(records), duration)
-
-
-@dataclass(frozen=True)
-class ReplicaCounts:
-    """One engine replica's totals since it started (EngineDeployment.record_routing_stats)."""
-
-    num_requests: int
-    num_prefix_queried_tokens: int
-    num_prefix_hit_tokens: int
-
-    def minus(self, other: ReplicaCounts) -> ReplicaCounts:
-        return ReplicaCounts(self.num_requests - other.num_requests,
-                             self.num_prefix_queried_tokens - other.num_prefix_queried_tokens,
-                             self.num_prefix_hit_tokens - other.num_prefix_hit_tokens)
-
-
-def engine_replica_counts(app: str = "rayinfer") -> dict[str, ReplicaCounts]:
-    """Every running engine replica's counts, asked of the replica actors directly (this
-    process must be a driver on the app's cluster)."""
-    actors = engine_replica_actors(app)
-    stats = ray.get([actor.record_routing_stats.remote() for actor in actors.values()])
-    return {replica_id: ReplicaCounts(s["num_requests"], s["num_prefix_queried_tokens"], s["num_prefix_hit_tokens"])
-            for replica_id, s in zip(actors, stats)}
-
-
-def engine_replica_actors(app: str = "rayinfer") -> dict[str, ray.actor.ActorHandle]:
-    prefix = f"SERVE_REPLICA::{app}#EngineDeployment#"
-    names = [actor["name"] for actor in ray.util.list_named_actors(all_namespaces=True)
-             if actor["namespace"] == "serve" and actor["name"].startswith(prefix)]
-    return {name.removeprefix(prefix): ray.get_actor(name, namespace="serve") for name in names}

@@ -1,5 +1,5 @@
 """How evenly the engine replicas were loaded when requests arrived, from the replicas' own
-load logs (deployments/replicas/hooks.py: LoadLog, read_load_logs): the load a router bounds, sampled at the moments it
+load logs (bench/scale/load_log.py: LoadLog, read_load_logs): the load a router bounds, sampled at the moments it
 bounds it, not averaged over a run's ramp-up and drain where no routing happens.
 
     over bound          arrivals that left their replica above (1 + eps) x the mean load
@@ -23,7 +23,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from deployments.replicas.hooks import LoadEvent
+from bench.scale.load_log import LoadEvent
 from deployments.routing.prefix_routing import request_work
 
 

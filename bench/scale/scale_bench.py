@@ -6,12 +6,12 @@ fresh local Ray (so every setup starts with empty prefix caches):
                     prefix-router:load_unit=requests:load_bound_eps=0.5 the same with those
                     request_router_kwargs changed (request_routing_stats_period_s=N too),
                     so that router designs run side by side
-    serve-default   the same with Serve's default router (PowerOfTwoChoicesRequestRouter)
+    serve-default   the same with Serve's default router (no request_router_config)
     one-replica     1 engine replica with all the engine CPUs of the two (2x the threads)
     single-replica  1 engine replica with one replica's CPUs: what a second replica adds to,
                     on a machine with the cores for both (`--num-cpus`, `--app-arg engine_num_cpus=4`)
 
-    python -m loadtest.scale.scale_bench --config configs/scale-out.yaml --workload shared \\
+    python -m bench.scale.scale_bench --config configs/scale-out.yaml --workload shared \\
         --setups prefix-router,serve-default --weights random --engine num_kv_blocks=160
 """
 
@@ -33,16 +33,14 @@ import ray
 import yaml
 from ray import serve
 
-from deployments.app import make_app
 from loadtest.client.http_target import Target
-from deployments.replicas.hooks import LOAD_LOG_DIR_ENV, read_load_logs
 from deployments.routing.router import PrefixAffinityRouter
-from loadtest.scale.load_balance import ArrivalLoads, arrival_loads
+from bench.scale.load_balance import ArrivalLoads, arrival_loads
 from loadtest.client.machine import machine_line, utc_now
-from loadtest.scale.prefix_workloads import PrefixWorkload, ReplicaCounts, engine_replica_counts, run_http
+from bench.scale.load_log import LOAD_LOG_DIR_ENV, ReplicaCounts, engine_replica_counts, make_logged_app, read_load_logs
+from loadtest.scale.prefix_workloads import PrefixWorkload, run_http
 from loadtest.client.results import BenchResult
 
-SERVE_DEFAULT_ROUTER = "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter"
 SETUPS = ("prefix-router", "serve-default", "one-replica", "single-replica")
 BLOCK_SIZE = 16
 _STATS_PERIOD = "request_routing_stats_period_s"
@@ -58,7 +56,7 @@ class SetupResult:
     bench: BenchResult
     replicas: dict[str, ReplicaCounts]
     loads: ArrivalLoads  # requests in each replica when one arrived
-    work_loads: ArrivalLoads  # the same in work (loadtest/scale/load_balance.py)
+    work_loads: ArrivalLoads  # the same in work (bench/scale/load_balance.py)
     ideal_hit_tokens: int
 
     @property
@@ -106,14 +104,14 @@ def app_from_config(config_path: Path, setup: str, overrides: dict) -> serve.App
         if _STATS_PERIOD in router_kwargs:  # a request_router_config field, not a kwarg
             router[_STATS_PERIOD] = router_kwargs.pop(_STATS_PERIOD)
         router["request_router_kwargs"] = {**router.get("request_router_kwargs", {}), **router_kwargs}
-    if setup == "serve-default":
-        engine["request_router_config"] = {"request_router_class": SERVE_DEFAULT_ROUTER}
-    elif setup in ("one-replica", "single-replica"):
+    if setup != "prefix-router":  # Serve's default router: no request_router_config
+        engine.pop("request_router_config", None)
+    if setup in ("one-replica", "single-replica"):
         replicas = engine.pop("num_replicas", 2)
         if setup == "one-replica":
             args["engine_num_cpus"] = args.get("engine_num_cpus", 0.5) * replicas
-        engine.update(num_replicas=1, request_router_config={"request_router_class": SERVE_DEFAULT_ROUTER})
-    return make_app(args, options)
+        engine["num_replicas"] = 1
+    return make_logged_app(args, options)
 
 
 def run_setup(config_path: Path, setup: str, overrides: dict, workload: PrefixWorkload, port: int,

@@ -1,11 +1,11 @@
 """Offline throughput benchmark: the engine vs Hugging Face `generate` (static batch), same run.
 
-    python -m loadtest.engine_bench                      # GPT-2-small, random weights, the engine's defaults
-    python -m loadtest.engine_bench --num-requests 32 --prompt-len 16 --max-tokens 64 --dtype bfloat16
-    python -m loadtest.engine_bench --device cuda --skip-hf --cuda-graphs false   # vs true, vs --compile-decode false
-    python -m loadtest.engine_bench --vllm /tmp/gpt2-random   # and vLLM's CPU build offline, on the same prompts
-    python -m loadtest.engine_bench --structured --max-num-seqs 16 --skip-hf   # structured outputs, 16 streams
-    python -m loadtest.engine_bench --structured --max-num-seqs 16 --skip-hf --vllm /tmp/gpt2-random   # and vLLM's
+    python -m bench.engine_bench                      # GPT-2-small, random weights, the engine's defaults
+    python -m bench.engine_bench --num-requests 32 --prompt-len 16 --max-tokens 64 --dtype bfloat16
+    python -m bench.engine_bench --device cuda --skip-hf --cuda-graphs false   # vs true, vs --compile-decode false
+    python -m bench.engine_bench --vllm /tmp/gpt2-random   # and vLLM's CPU build offline, on the same prompts
+    python -m bench.engine_bench --structured --max-num-seqs 16 --skip-hf   # structured outputs, 16 streams
+    python -m bench.engine_bench --structured --max-num-seqs 16 --skip-hf --vllm /tmp/gpt2-random   # and vLLM's
 
 --structured runs a mix of JSON-schema, JSON-object, regex and choice requests
 (loadtest/client/structured_requests.py), sampled at temperature 1 with a seed each, then the
@@ -16,7 +16,7 @@ is printed apart). With --vllm, vLLM's `LLM.generate` runs the same constrained 
 running), tallied the same way, and the table adds rayinfer's constrained tok/s over vLLM's.
 
 --vllm runs vLLM's `LLM.generate` on a checkpoint directory of the same architecture (its own
-venv: loadtest/peers/vllm_peer.py), greedy, after the engine and HF, in the engine's dtype.
+venv: bench/peers/vllm_peer.py), greedy, after the engine and HF, in the engine's dtype.
 The checkpoint's weights are its own, not the engine's random ones.
 
 The engine runs with EngineConfig's defaults (what `LLM(model)` runs) but for the flags given.
@@ -39,7 +39,7 @@ from engine.model.gpt2 import CONV1D_WEIGHTS, hf_to_own_name
 from engine.model.loader import load_tokenizer, resolve_model
 from engine.request.sampling_params import SamplingParams
 from loadtest.client.structured_requests import StructuredRequest, StructuredTally, structured_mix
-from loadtest.peers.vllm_peer import OfflineRequest, OfflineResult, require_vllm, run_vllm_offline
+from bench.peers.vllm_peer import OfflineRequest, OfflineResult, require_vllm, run_vllm_offline
 
 
 @dataclass

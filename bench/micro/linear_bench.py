@@ -4,7 +4,7 @@ and its LM head, at each number of rows, on oneDNN's prepacked product against o
 (torch.ops.rayinfer.linear: the weights in panels in bf16 on AVX-512 BF16, else the plain
 kernel for one to three rows and oneDNN's past them).
 
-    python -m loadtest.micro.linear_bench --dtype bfloat16 --rows 1,2,4,8,16,32,64
+    python -m bench.micro.linear_bench --dtype bfloat16 --rows 1,2,4,8,16,32,64
 
 Prints, per row count, the median time of one step's linears on each and the ratio.
 """

@@ -1,9 +1,9 @@
 """Seconds from `serve run CONFIG` to its first answered completion, the way a user meets a
 start: the command launched, a POST /v1/completions every 0.25 s from that moment, the
 clock stopped at the first 200; then Ctrl-C and a wait until it has exited. With
---vllm-checkpoint, vLLM's CPU server (loadtest/peers/vllm_peer.py) timed the same way.
+--vllm-checkpoint, vLLM's CPU server (bench/peers/vllm_peer.py) timed the same way.
 
-    flock /tmp/rayinfer-ray.lock python -m loadtest.peers.startup_time --config configs/gpt2.yaml --runs 3
+    flock /tmp/rayinfer-ray.lock python -m bench.peers.startup_time --config configs/gpt2.yaml --runs 3
 
 Run it once before the measured runs (--warmup 1, the default) so that every cache a later
 start reads (kernels, inductor's graphs) is warm. --cold times the first start after install
@@ -29,7 +29,7 @@ from pathlib import Path
 import httpx
 
 from loadtest.client.serve_process import restore_sigint, stop
-from loadtest.peers.vllm_peer import VllmServerConfig, require_vllm
+from bench.peers.vllm_peer import VllmServerConfig, require_vllm
 
 POLL_S = 0.25
 REQUEST_TIMEOUT_S = 30.0

@@ -1,7 +1,7 @@
 """vLLM's offline `LLM.generate` on bench.py's prompts. Runs in vLLM's own venv (stdlib and
-vllm only: nothing from this repository), started by loadtest/peers/vllm_peer.py:
+vllm only: nothing from this repository), started by bench/peers/vllm_peer.py:
 
-    VENV/bin/python loadtest/peers/vllm_offline.py REQUEST.json RESULT.json
+    VENV/bin/python bench/peers/vllm_offline.py REQUEST.json RESULT.json
 
 REQUEST.json holds vllm_peer.OfflineRequest's fields: one sampling setup for every prompt,
 or, where `structured_outputs` (and `seeds`) list one per prompt, each prompt its own

@@ -2,7 +2,7 @@
 of the engine's size, 32 sequences at a given number of cached tokens, our C++ kernel
 against the expression inductor compiles (engine/model/attention.py decode_attention_with_own).
 
-    python -m loadtest.micro.attention_bench --dtype bfloat16 --cached 50
+    python -m bench.micro.attention_bench --dtype bfloat16 --cached 50
 
 Prints the median time of all layers in turn (the pools far outgrow the caches, as in a
 step) at 2 threads and at 1.

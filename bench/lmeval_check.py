@@ -9,7 +9,7 @@ logprobs 1 and max_tokens 1, and reads prompt logprobs), and `rayinfer_gen`, gen
 and, finding them, tokenizes through the server (its default tokenizer_backend "auto").
 
     python -m loadtest.make_checkpoint /tmp/tiny-ckpt --arch tiny
-    python -m loadtest.lmeval_check /tmp/tiny-ckpt --lm-eval /work/.venvs/lmeval/bin/lm_eval
+    python -m bench.lmeval_check /tmp/tiny-ckpt --lm-eval /work/.venvs/lmeval/bin/lm_eval
 
 lm-eval lives in its own virtual environment (it pins packages the app does not need).
 The script starts `serve run` on the checkpoint itself and stops it at the end.

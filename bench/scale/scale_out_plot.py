@@ -1,8 +1,8 @@
 """docs/scale-out.png: the results page's scale-out rows as a plot
-(`python -m loadtest.scale.scale_out_plot [PATH]`).
+(`python -m bench.scale.scale_out_plot [PATH]`).
 
 It draws what BENCHMARKS.md's scale-out table states, not a new run: each run's figure as
-`loadtest.scale.scale_bench` reported it. After a new scale-out run, update the figures below with
+`bench.scale.scale_bench` reported it. After a new scale-out run, update the figures below with
 the page's rows and draw it again."""
 
 from __future__ import annotations

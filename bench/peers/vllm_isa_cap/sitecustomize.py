@@ -1,4 +1,4 @@
-"""On vLLM's PYTHONPATH where this run caps the CPU at AVX2 (loadtest/peers/vllm_peer.py): the
+"""On vLLM's PYTHONPATH where this run caps the CPU at AVX2 (bench/peers/vllm_peer.py): the
 emulated AVX2-only CPU of BENCHMARKS.md.
 
 ONEDNN_MAX_CPU_ISA and ATEN_CPU_CAPABILITY cap oneDNN, ATen and inductor in vLLM's processes

@@ -4,16 +4,16 @@ stream at a time (TPOT p50, TTFT p50), the HTTP share of each server's own offli
 and the CPU time each process took during every HTTP run (loadtest/client/cpu_usage.py).
 
     python -m loadtest.make_checkpoint /tmp/gpt2-random --arch gpt2
-    python -m loadtest.peers.peer_table --checkpoint /tmp/gpt2-random --out bench_out/peers
+    python -m bench.peers.peer_table --checkpoint /tmp/gpt2-random --out bench_out/peers
 
 It runs the offline engine in this process, starts `serve run` on a copy of `--config`
 whose model is the checkpoint, measures it and stops it; then starts vLLM's server from its
-venv (loadtest/peers/vllm_peer.py), measures it, stops it, and runs vLLM's offline
+venv (bench/peers/vllm_peer.py), measures it, stops it, and runs vLLM's offline
 `LLM.generate`. One server is up at a time, and each step waits for an idle machine.
 Without vLLM installed, only rayinfer's rows are filled. `--app-args` and `--engine-env`
 change the rayinfer app's config, to measure one design against another. `--rounds N`
 measures both servers N times, vLLM first in every other round, and opens the report with
-issue 15's goals round by round and their medians (loadtest/peers/peer_goals.py).
+rayinfer's figures over vLLM's round by round and their medians (bench/peers/ratios.py).
 """
 
 from __future__ import annotations
@@ -36,11 +36,11 @@ import yaml
 from loadtest.client.http_target import BenchConfig, Target, run_benchmark
 from loadtest.client.results import BenchResult, percentile
 from loadtest.client import serve_process
-from loadtest.peers.peer_goals import goals_table
+from bench.peers.ratios import ratios_table
 from loadtest.client.workload import Workload
 from loadtest.client.cpu_usage import ProcessCpu, cpu_since, cpu_snapshot, cpu_table, settle
 from loadtest.client.machine import machine_line, utc_now
-from loadtest.peers.vllm_peer import VllmServer, VllmServerConfig, is_healthy, find_vllm, run_vllm_offline_target
+from bench.peers.vllm_peer import VllmServer, VllmServerConfig, is_healthy, find_vllm, run_vllm_offline_target
 
 RAYINFER_URL = "http://127.0.0.1:8000"
 
@@ -266,8 +266,8 @@ def measure_round(args: argparse.Namespace, workload: TableWorkload, index: int)
 
 
 def report(runs: list[TableRun]) -> str:
-    """Issue 15's goals over the rounds, then each round's table."""
-    parts = ["Issue 15's goals, rayinfer / vLLM (bold: met):", "", goals_table(runs)]
+    """rayinfer / vLLM over the rounds, then each round's table."""
+    parts = ["rayinfer / vLLM, each round and the median:", "", ratios_table(runs)]
     parts += [f"\n## Round {i + 1}\n\n{table(run)}" for i, run in enumerate(runs)]
     return "\n".join(parts)
 

@@ -2,7 +2,7 @@
 config's application at its own route prefix (`/<name>`), with its own app args and replica
 environment, and the variants take turns, round after round, under the same workload.
 
-    python -m loadtest.peers.variants --checkpoint /tmp/gpt2-random \
+    python -m bench.peers.variants --checkpoint /tmp/gpt2-random \
         --variant base '{}' --variant chunks50 '{"args": {"max_chunks_per_s": 50}}' --rounds 3
 
 Why one cluster: on a small shared machine throughput moves by ±25% between runs minutes
@@ -10,7 +10,7 @@ apart, so two designs measured in two `serve run`s compare the machine's moods a
 the designs. Here they share the proxy, controller and client, idle variants only keep
 their background loops, and alternating rounds spread the drift over all of them.
 
-A variant is JSON: `args` merged into the app's args (one level deep, as loadtest.peers.peer_table
+A variant is JSON: `args` merged into the app's args (one level deep, as bench.peers.peer_table
 does), `env` set as the application's runtime_env env_vars (read by every replica it
 starts). Every deployment asks Ray for a token CPU so that all variants fit the node; the
 engine keeps the torch threads its args give it (`num_threads` is made explicit).
@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from loadtest.client.http_target import BenchConfig, Target, run_benchmark
-from loadtest.peers.peer_table import RAYINFER_URL, TableWorkload, serve_config, serve_run
+from bench.peers.peer_table import RAYINFER_URL, TableWorkload, serve_config, serve_run
 from loadtest.client.results import BenchResult
 
 _TOKEN_CPU = 0.01  # what each replica asks Ray for: scheduling only, not a limit

@@ -4,7 +4,7 @@
 # port) before and after each says how many tokens the server generated for it.
 #
 #   python -m loadtest.make_checkpoint /tmp/tiny-ckpt --arch tiny
-#   loadtest/real_clients.sh /tmp/tiny-ckpt /work/.venvs OUTDIR
+#   bench/real_clients.sh /tmp/tiny-ckpt /work/.venvs OUTDIR
 #
 # Each client lives in its own virtual environment under VENVS (guidellm/, aiperf/).
 set -euo pipefail

@@ -2,9 +2,9 @@
 the model's matmuls alone at the same batch, side by side in one run; then one decode step
 of the whole batch, and one sequence's time per token, against their matmuls alone.
 
-    python -m loadtest.micro.ceiling --dtype float32 --num-requests 32 --prompt-len 16 --max-tokens 64
-    python -m loadtest.micro.ceiling --dtype bfloat16 --linears auto --compile-attention --compile-decode
-    python -m loadtest.micro.ceiling --dtype bfloat16 --linears auto --compile-decode --compiled-only \
+    python -m bench.micro.ceiling --dtype float32 --num-requests 32 --prompt-len 16 --max-tokens 64
+    python -m bench.micro.ceiling --dtype bfloat16 --linears auto --compile-attention --compile-decode
+    python -m bench.micro.ceiling --dtype bfloat16 --linears auto --compile-decode --compiled-only \
         --decode-attention native torch
 
 "Matmuls alone" runs the engine's own linear modules (prepacked or F.linear, as the engine
@@ -31,7 +31,7 @@ from engine.config import EngineConfig
 from engine.core.llm_engine import LLMEngine
 from engine.model.gpt2 import GPT2LMHead
 from engine.request.sampling_params import SamplingParams
-from loadtest.engine_bench import Result, decode_ms_per_token, hf_model, make_prompts, run_engine, run_hf
+from bench.engine_bench import Result, decode_ms_per_token, hf_model, make_prompts, run_engine, run_hf
 
 
 def decode_step_ms(engine: LLMEngine, prompts: list[list[int]], num_steps: int) -> float:
