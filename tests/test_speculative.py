@@ -16,6 +16,7 @@ from scipy.stats import chi2
 
 from engine import LLM, SamplingParams
 from engine.core.block_manager import chain_hash
+from engine.speculative.ngram_proposer import NgramIndex
 from tests.engine_helpers import hf_model, mixed_prompts, record_steps
 
 SPEC = {"num_speculative_tokens": 4}
@@ -164,39 +165,51 @@ def test_a_seeded_request_draws_the_same_tokens_with_speculation_or_without(tiny
     assert_spec_kept_some_and_rejected_some(llm)
 
 
-def pair_counts(llm: LLM, num: int) -> dict[tuple[int, int], int]:
-    """Of num unseeded requests at temperature 2 over FEW's four tokens: how often each
-    (4th, 12th) output token pair came, which depends on the whole path between them."""
-    params = SamplingParams(max_tokens=12, temperature=2.0, logit_bias=FEW, ignore_eos=True)
-    outputs = llm.generate([[11, 12, 13, 14, 12] * 4] * num, params)
-    counts: dict[tuple[int, int], int] = {}
-    for out in outputs:
-        pair = (out.token_ids[3], out.token_ids[11])
-        counts[pair] = counts.get(pair, 0) + 1
-    return counts
+def token_count_outcomes(llm: LLM, num: int) -> list[tuple[int, ...]]:
+    """Of num unseeded requests over FEW's four tokens: per request, how many times each of
+    the four came in its 12 tokens (one outcome per request: requests are independent, the
+    tokens of one are not)."""
+    params = SamplingParams(max_tokens=12, temperature=1.0, logit_bias=FEW, ignore_eos=True)
+    outputs = llm.generate([[12] * 20] * num, params)
+    return [tuple(out.token_ids.count(token) for token in FEW) for out in outputs]
 
 
-def test_sampled_tokens_keep_their_distribution_under_speculation(tiny_gpt2_dir, plain):
-    """A chi-square test of homogeneity (two samples of 1500) at FALSE_FAILURE_RATE; cells
-    rarer than 10 in both samples together are merged."""
-    llm = make_llm(tiny_gpt2_dir, speculative=SPEC, seed=1)
-    ours, theirs = pair_counts(llm, 1500), pair_counts(plain, 1500)
-    assert_spec_kept_some_and_rejected_some(llm)
-    cells = sorted(set(ours) | set(theirs), key=lambda c: ours.get(c, 0) + theirs.get(c, 0))
+def chi_square_homogeneity(ours: list[int], theirs: list[int]) -> tuple[float, int]:
+    """The statistic and degrees of freedom of two samples of one categorical outcome,
+    cells rarer than 10 in both samples together merged into one."""
+    cells = sorted(set(ours) | set(theirs), key=lambda c: ours.count(c) + theirs.count(c))
     table, rare = [], [0, 0]
     for cell in cells:
-        a, b = ours.get(cell, 0), theirs.get(cell, 0)
+        a, b = ours.count(cell), theirs.count(cell)
         if a + b < 10:
             rare = [rare[0] + a, rare[1] + b]
         else:
             table.append((a, b))
     if sum(rare):
         table.append(tuple(rare))
-    assert len(table) >= 4, "the test needs a spread of outcomes to say anything"
-    n_a, n_b = sum(a for a, _ in table), sum(b for _, b in table)
-    statistic = sum((a - (a + b) * n_a / (n_a + n_b)) ** 2 / ((a + b) * n_a / (n_a + n_b))
-                    + (b - (a + b) * n_b / (n_a + n_b)) ** 2 / ((a + b) * n_b / (n_a + n_b)) for a, b in table)
-    assert statistic < chi2.ppf(1 - FALSE_FAILURE_RATE, len(table) - 1), table
+    n_a, n_b = len(ours), len(theirs)
+    statistic = 0.0
+    for a, b in table:
+        expected_a, expected_b = (a + b) * n_a / (n_a + n_b), (a + b) * n_b / (n_a + n_b)
+        statistic += (a - expected_a) ** 2 / expected_a + (b - expected_b) ** 2 / expected_b
+    return statistic, len(table) - 1
+
+
+def test_sampled_tokens_keep_their_distribution_under_speculation(tiny_gpt2_dir, plain, monkeypatch):
+    """Per token of FEW, a chi-square test of homogeneity of how often it comes in a
+    request (two samples of 1000 requests), each at a quarter of FALSE_FAILURE_RATE. Every
+    step speculates (16 decodes and their proposals stay under max_step_rows), and every
+    proposal is 12, which the model seldom draws: where the rule kept a proposal too often,
+    12 would come more often. (The prompt's own n-grams propose what the model would draw
+    anyway: the tiny model's next token depends on little more than its last.)"""
+    monkeypatch.setattr(NgramIndex, "propose", lambda _index, _tokens, num_tokens: [12] * num_tokens)
+    llm = make_llm(tiny_gpt2_dir, speculative=SPEC | {"max_step_rows": 80}, max_num_seqs=16, seed=1)
+    ours, theirs = token_count_outcomes(llm, 1000), token_count_outcomes(plain, 1000)
+    assert_spec_kept_some_and_rejected_some(llm)
+    for index, token in enumerate(FEW):
+        statistic, dof = chi_square_homogeneity([o[index] for o in ours], [o[index] for o in theirs])
+        assert dof >= 3, "the test needs a spread of outcomes to say anything"
+        assert statistic < chi2.ppf(1 - FALSE_FAILURE_RATE / len(FEW), dof), f"token {token}: {statistic:.1f}, {dof} dof"
 
 
 def test_on_the_compiled_decode_graph_speculation_changes_no_token(tiny_gpt2_dir):
