@@ -10,11 +10,13 @@ the proposals are kept, half rejected."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 from scipy.stats import chi2
 
-from engine import LLM, SamplingParams
+from engine import LLM, AsyncEngine, EngineConfig, SamplingParams
 from engine.core.block_manager import chain_hash
 from engine.speculative.ngram_proposer import NgramIndex
 from tests.engine_helpers import hf_model, mixed_prompts, record_steps
@@ -222,3 +224,25 @@ def test_on_the_compiled_decode_graph_speculation_changes_no_token(tiny_gpt2_dir
     assert_no_rejected_token_kept(llm, outputs)
     speculator, llm.engine.scheduler.speculator = llm.engine.scheduler.speculator, None  # the same graph, without
     assert [o.token_ids for o in outputs] == [o.token_ids for o in llm.generate(prompts, GREEDY_FEW)]
+
+
+def test_async_engine_streams_what_the_offline_engine_without_speculation_gives(tiny_gpt2_dir, plain):
+    """Several tokens of one request in one step reach its stream in order, the last chunk
+    finishing it, as the served app takes them."""
+    prompts = repetitive_prompts()
+    engine = AsyncEngine(EngineConfig(model=str(tiny_gpt2_dir), weights="pretrained", dtype="float32", device="cpu",
+                                      linears="reference", compile_decode=False, speculative=SPEC))
+
+    async def collect(request_id: str, prompt: list[int]) -> tuple[list[int], str | None]:
+        chunks = [chunk async for chunk in engine.generate(request_id, prompt, GREEDY_FEW)]
+        return [t for c in chunks for t in c.token_ids], chunks[-1].finish_reason
+
+    async def main():
+        return await asyncio.gather(*(collect(f"r{i}", p) for i, p in enumerate(prompts)))
+
+    try:
+        streamed = asyncio.run(main())
+        assert engine.stats().num_spec_accepted_tokens > 0
+    finally:
+        engine.shutdown()
+    assert streamed == [(o.token_ids, "length") for o in plain.generate(prompts, GREEDY_FEW)]
