@@ -191,18 +191,14 @@ class Scheduler:
 
     def _schedule_running(self, seq: Sequence, batch: ScheduledBatch, budget: int) -> bool:
         num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-        drafts = self._drafts(seq, budget - num_new)
-        needed = self.block_manager.num_new_blocks_needed(seq, seq.num_computed_tokens + num_new + len(drafts))
-        if drafts and not self.block_manager.can_allocate(needed):
-            self._draft_rows_left += len(drafts)
-            drafts = []
-            needed = self.block_manager.num_new_blocks_needed(seq, seq.num_computed_tokens + num_new)
+        drafts = self._drafts(seq, budget - num_new)  # within the free blocks: they never preempt
+        num_new += len(drafts)
+        needed = self.block_manager.num_new_blocks_needed(seq, seq.num_computed_tokens + num_new)
         while not self.block_manager.can_allocate(needed):
             victim = self._preemption_victim(batch)
             self._preempt(victim)
             if victim is seq:
                 return False
-        num_new += len(drafts)
         self.block_manager.allocate(seq, seq.num_computed_tokens + num_new)
         seq.draft_token_ids = drafts
         batch.add(seq, num_new)
