@@ -144,6 +144,17 @@ def test_stop_tokens_and_max_tokens_cut_the_kept_proposals_where_they_would_end_
     assert_no_rejected_token_kept(llm, outputs)
 
 
+def test_a_stop_string_inside_kept_proposals_ends_the_text_as_without_speculation(tiny_gpt2_dir, plain):
+    prompts = repetitive_prompts()
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, logit_bias=FEW, stop=["/,"])
+    llm = make_llm(tiny_gpt2_dir, speculative=SPEC)
+    outputs, expected = llm.generate(prompts, params), plain.generate(prompts, params)
+    assert [(o.text, o.token_ids, o.finish_reason) for o in outputs] == [(o.text, o.token_ids, o.finish_reason)
+                                                                         for o in expected]
+    assert any(o.finish_reason == "stop" for o in outputs) and llm.engine.stats().num_spec_accepted_tokens > 0
+    assert_no_rejected_token_kept(llm, outputs)
+
+
 def test_a_step_takes_proposals_only_up_to_max_step_rows(tiny_gpt2_dir):
     llm = make_llm(tiny_gpt2_dir, speculative=SPEC | {"max_step_rows": 6})
     steps = record_steps(llm.engine)
