@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Literal, get_args
 from engine.kernels.cpu import cpu_features, usable_cpus
 from engine.model.loader import WeightsMode, check_weights_mode
 from engine.request.scheduling import SchedulingPolicy
+from engine.speculative.config import SpeculativeConfig
 
 if TYPE_CHECKING:
     import torch
@@ -126,9 +127,15 @@ class EngineConfig:
     # "Designs shipped": one thread for one-token steps).
     # 0: every step on num_threads; auto: 1 on CPU in bf16, else 0.
     one_thread_max_tokens: int | Literal["auto"] = "auto"
+    # Speculative decoding by prompt lookup (engine/speculative/): {method: ngram,
+    # num_speculative_tokens, prompt_lookup_max, prompt_lookup_min, max_step_rows}; a config
+    # file's mapping becomes a SpeculativeConfig. None: off (the default until measured
+    # against the engine without it on the benchmark workloads).
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         check_weights_mode(self.weights)
+        object.__setattr__(self, "speculative", SpeculativeConfig.of(self.speculative))
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
         for name in ("compile_decode", "cuda_graphs"):

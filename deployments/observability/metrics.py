@@ -101,7 +101,11 @@ class EngineMetrics:
         self.mask_time = Histogram("rayinfer_grammar_mask_seconds",
                                    "Time per engine step filling and applying structured output token masks "
                                    "(steps with a constrained row only).", boundaries=_STEP_BUCKETS_S)
+        self.spec_proposed = Counter("rayinfer_spec_proposed_tokens",
+                                     "Speculative decoding: proposed tokens verified (acceptance rate: accepted / proposed).")
+        self.spec_accepted = Counter("rayinfer_spec_accepted_tokens", "Speculative decoding: proposed tokens kept.")
         self._last_preemptions = 0
+        self._spec_totals = (0, 0)  # as last counted
         self._structured_totals: tuple[float, ...] = (0, 0, 0.0)  # as last counted
 
     def update(self, stats: EngineStats) -> None:
@@ -115,6 +119,14 @@ class EngineMetrics:
             self.preemptions.inc(stats.num_preemptions - self._last_preemptions)
             self._last_preemptions = stats.num_preemptions
         self._count_structured(stats)
+        self._count_speculative(stats)
+
+    def _count_speculative(self, stats: EngineStats) -> None:
+        totals = (stats.num_spec_proposed_tokens, stats.num_spec_accepted_tokens)
+        for counter, now, before in zip((self.spec_proposed, self.spec_accepted), totals, self._spec_totals):
+            if now > before:
+                counter.inc(now - before)
+        self._spec_totals = totals
 
     def _count_structured(self, stats: EngineStats) -> None:
         """The structured output totals' growth since the last sample."""

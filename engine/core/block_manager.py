@@ -125,6 +125,17 @@ class BlockManager:
             self._take(block_id)
             seq.block_table.append(block_id)
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Shrink seq's block table to what num_tokens tokens need: the blocks allocated for
+        rejected proposals go back. They were never keyed (only computed tokens' full blocks
+        are), so they go to the front of the queue, as free() puts unkeyed blocks."""
+        while seq.num_blocks > seq.num_blocks_for(num_tokens):
+            block = self.blocks[seq.block_table.pop()]
+            assert block.ref_count == 1 and block.hash is None, "a trimmed block is seq's own and unkeyed"
+            block.ref_count = 0
+            self.free_block_ids[block.block_id] = None
+            self.free_block_ids.move_to_end(block.block_id, last=False)
+
     def free(self, seq: Sequence) -> None:
         for block_id in reversed(seq.block_table):
             block = self.blocks[block_id]
@@ -138,10 +149,11 @@ class BlockManager:
         seq.block_hashes.clear()
 
     def commit_full_blocks(self, seq: Sequence) -> None:
-        """Key every block seq has completely computed, so later prompts can share it."""
+        """Key every block seq has completely computed, so later prompts can share it. A
+        computed proposal is not one of seq's tokens until it is accepted and appended."""
         if not self.enable_prefix_caching:
             return
-        num_full = seq.num_computed_tokens // self.block_size
+        num_full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
         for index in range(len(seq.block_hashes), num_full):
             token_ids = tuple(seq.block_tokens(index))
             prev_hash = seq.block_hashes[-1] if seq.block_hashes else None

@@ -33,7 +33,8 @@ from engine.sampling.sampler import Sampler, SamplingBatch
 from engine.request.sampling_params import SamplingParams
 from engine.request.scheduling import Scheduling
 from engine.core.scheduler import ScheduledBatch, Scheduler
-from engine.core.sequence import Sequence
+from engine.core.sequence import Sequence, SequenceStatus
+from engine.speculative.speculator import Speculator
 from engine.core.step_log import StepLog, StepRecord
 from engine.core.step_threads import StepThreads
 
@@ -79,7 +80,9 @@ class LLMEngine:
             self.runner.decode_graph, self.runner.sampler = self._ready(self.runner.decode_graph)
         # the budget follows the graph steps take: eager steps until it is compiled, or where it cannot compile
         step_tokens = config.step_tokens(cpu_graph=isinstance(self.runner.decode_graph, DecodeGraph))
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, step_tokens, config.scheduling_policy)
+        self.speculator = None if config.speculative is None else Speculator(config.speculative, self.max_model_len)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, step_tokens, config.scheduling_policy,
+                                   self.speculator)
         self._seqs: dict[str, Sequence] = {}
         self.step_log = StepLog()  # the replica's metrics drain it
         self._num_prompt_tokens = self._num_generated_tokens = self._num_constrained_requests = 0
@@ -154,17 +157,33 @@ class LLMEngine:
 
     def _postprocess(self, batch: ScheduledBatch, output: ModelOutput) -> list[StepOutput]:
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
-            seq.num_computed_tokens += num_new
+            self._advance(seq, num_new, output.num_accepted.get(seq))
             self.block_manager.commit_full_blocks(seq)
         for seq, logprobs in output.prompt_logprobs:
             seq.prompt_logprobs.extend(logprobs)
         now = time.monotonic()
+        # A speculating sequence's tokens one by one: the first that ends it ends its output.
         outputs = [self._append(seq, token, logprob, now)
-                   for seq, token, logprob in zip(output.sampled, output.token_ids, output.logprobs)]
+                   for seq, token, logprob in zip(output.sampled, output.token_ids, output.logprobs)
+                   if seq.finish_reason is None]
+        for seq in output.num_accepted:
+            if seq.status is SequenceStatus.RUNNING:  # its accepted proposals are its tokens now
+                self.block_manager.commit_full_blocks(seq)
         for seq in batch.seqs:
             if seq.params.max_tokens == 0 and seq.num_computed_tokens == seq.num_tokens:
                 outputs.append(self._finish_prompt_only(seq, now))
         return outputs
+
+    def _advance(self, seq: Sequence, num_new: int, num_accepted: int | None) -> None:
+        """The step's tokens computed; of a speculating sequence (num_accepted not None) only
+        its last token and the proposals it keeps, and the blocks of the rest go back."""
+        num_proposed, seq.draft_token_ids = len(seq.draft_token_ids), []
+        if num_accepted is None:
+            seq.num_computed_tokens += num_new
+            return
+        self.speculator.record(seq, num_proposed, num_accepted)
+        seq.num_computed_tokens += num_new - (num_proposed - num_accepted)
+        self.block_manager.trim(seq, seq.num_computed_tokens + 1)  # + the token drawn after them
 
     def _append(self, seq: Sequence, token: int, logprob: TokenLogprob | None, now: float) -> StepOutput:
         if seq.failure is None:
@@ -215,6 +234,7 @@ class LLMEngine:
         return None
 
     def _finish(self, seq: Sequence) -> None:
+        self.block_manager.commit_full_blocks(seq)  # a speculating sequence's accepted tokens, too
         self.scheduler.remove(seq)
         del self._seqs[seq.request_id]
 
@@ -230,6 +250,8 @@ class LLMEngine:
             num_pending_decode_tokens=sum(s.params.max_tokens - s.num_output_tokens for s in seqs),
             num_constrained_requests=self._num_constrained_requests,
             num_grammar_compiles=compiles.num_compiles, grammar_compile_s=compiles.compile_s,
+            num_spec_proposed_tokens=0 if self.speculator is None else self.speculator.num_proposed_tokens,
+            num_spec_accepted_tokens=0 if self.speculator is None else self.speculator.num_accepted_tokens,
             taken_at=time.time(),
         )
 

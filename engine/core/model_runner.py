@@ -15,26 +15,35 @@ from engine.sampling.grammar_mask import GrammarMask
 from engine.sampling.logits_controls import LogitsControls
 from engine.sampling.logprobs import PromptScoring, TokenLogprob, token_logprobs
 from engine.model.gpt2 import GPT2LMHead
-from engine.sampling.sampler import Sampler, SamplingBatch
+from engine.sampling.sampler import Sampler, SamplingBatch, seeded_uniform
+from engine.speculative.acceptance import accepted_tokens, rewind
 from engine.core.scheduler import ScheduledBatch
 from engine.core.sequence import Sequence
 
 
 @dataclass
 class ModelOutput:
-    """One step's results: per sampling sequence its token and (where asked) its logprob;
-    per sequence scoring its prompt, the logprobs of the prompt positions this step computed."""
+    """One step's results: per sampling sequence its token and (where asked) its logprob, a
+    speculating sequence once per token it keeps, in order; per sequence scoring its prompt,
+    the logprobs of the prompt positions this step computed."""
 
     sampled: list[Sequence]
     token_ids: list[int]
     logprobs: list[TokenLogprob | None]
     prompt_logprobs: list[tuple[Sequence, list[TokenLogprob]]] = field(default_factory=list)
     mask_s: float | None = None  # structured outputs' masks, where a row had one
+    num_accepted: dict[Sequence, int] = field(default_factory=dict)  # per speculating sequence, proposals kept
 
 
 def _samples(seq: Sequence, num_new: int) -> bool:
-    """Whether seq samples this step: its last known token is computed, and it generates."""
-    return seq.num_computed_tokens + num_new == seq.num_tokens and seq.params.max_tokens > 0
+    """Whether seq samples this step: its last known token (and any proposals after it) is
+    computed, and it generates."""
+    return seq.num_computed_tokens + num_new == seq.num_tokens + len(seq.draft_token_ids) and seq.params.max_tokens > 0
+
+
+def _num_sampled_rows(seq: Sequence) -> int:
+    """A speculating sequence samples at its last token and at each proposal: k + 1 rows."""
+    return 1 + len(seq.draft_token_ids)
 
 
 class ModelRunner:
@@ -65,7 +74,8 @@ class ModelRunner:
         A sequence samples when this step computes its last known token (a prefill chunk
         that stops short of the prompt's end samples nothing; a prompt-only request,
         max_tokens 0, never samples). A sequence that wants prompt logprobs also gets the
-        logits of each prompt position this step computes.
+        logits of each prompt position this step computes. A speculating sequence's rows,
+        its last token and its proposals, run as a prefill chunk's, and every one samples.
         """
         # Single-token queries first: they attend as the decode group.
         order = sorted(range(len(batch.seqs)), key=lambda i: batch.num_new_tokens[i] > 1)
@@ -109,16 +119,44 @@ class ModelRunner:
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor, greedy: torch.Tensor | None) -> ModelOutput:
         if not seqs:
             return ModelOutput([], [], [])
-        batch = self._sampling_batch(seqs)
+        rows = [seq for seq in seqs for _ in range(_num_sampled_rows(seq))]
+        batch = self._sampling_batch(rows)
+        seeded = {seq: seq.generator.get_state() for seq in seqs
+                  if seq.draft_token_ids and seq.generator is not None and not seq.params.is_greedy}
         tokens = self.sampler(logits, batch, greedy)
-        rows = [row for row, s in enumerate(seqs) if s.params.logprobs is not None]
-        logprobs: list[TokenLogprob | None] = [None] * len(seqs)
-        if rows:
-            index = self._tensor(rows)
-            computed = token_logprobs(logits[index].float(), tokens[index], [seqs[row].params.logprobs for row in rows])
-            for row, logprob in zip(rows, computed):
+        logprobs = self._logprobs(rows, logits, tokens)
+        output = self._verify(seqs, tokens.tolist(), logprobs, seeded)
+        output.mask_s = None if batch.grammar is None else batch.grammar.seconds
+        return output
+
+    def _logprobs(self, rows: list[Sequence], logits: torch.Tensor, tokens: torch.Tensor) -> list[TokenLogprob | None]:
+        asked = [row for row, s in enumerate(rows) if s.params.logprobs is not None]
+        logprobs: list[TokenLogprob | None] = [None] * len(rows)
+        if asked:
+            index = self._tensor(asked)
+            computed = token_logprobs(logits[index].float(), tokens[index], [rows[row].params.logprobs for row in asked])
+            for row, logprob in zip(asked, computed):
                 logprobs[row] = logprob
-        return ModelOutput(seqs, tokens.tolist(), logprobs, mask_s=None if batch.grammar is None else batch.grammar.seconds)
+        return logprobs
+
+    @staticmethod
+    def _verify(seqs: list[Sequence], tokens: list[int], logprobs: list[TokenLogprob | None],
+                seeded: dict[Sequence, torch.Tensor]) -> ModelOutput:
+        """Each sequence's tokens from its rows' draws: a speculating one keeps its proposals
+        up to the first its draws reject (engine/speculative/acceptance.py)."""
+        output, row = ModelOutput([], [], []), 0
+        for seq in seqs:
+            num_rows = _num_sampled_rows(seq)
+            kept = accepted_tokens(seq.draft_token_ids, tokens[row : row + num_rows])
+            output.sampled += [seq] * len(kept)
+            output.token_ids += kept
+            output.logprobs += logprobs[row : row + len(kept)]
+            if seq.draft_token_ids:
+                output.num_accepted[seq] = len(kept) - 1
+            if seq in seeded:
+                rewind(seq.generator, seeded[seq], len(kept), seeded_uniform)
+            row += num_rows
+        return output
 
     def _flat_tokens(self, seqs: list[Sequence], num_new: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The step's tokens, their positions and their KV slots, sequence after sequence."""
@@ -127,7 +165,7 @@ class ModelRunner:
         slots: list[int] = []
         for seq, n in zip(seqs, num_new):
             start = seq.num_computed_tokens
-            input_ids += seq.token_ids[start : start + n]
+            input_ids += seq.token_ids[start : start + n] + seq.draft_token_ids
             positions += range(start, start + n)
             slots += (seq.block_table[p // self.block_size] * self.block_size + p % self.block_size for p in range(start, start + n))
         return self._tensor(input_ids), self._tensor(positions), self._tensor(slots)
@@ -175,7 +213,7 @@ class ModelRunner:
         for seq, n in zip(seqs, num_new):
             end += n
             if _samples(seq, n):
-                indices.append(end - 1)
+                indices += range(end - _num_sampled_rows(seq), end)
         return self._tensor(indices)
 
     def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:

@@ -18,6 +18,11 @@ A waiting prompt whose leading blocks another prompt is computing right now (adm
 step, or prefilling in chunks) and no cache holds yet waits, in its place in the queue, until
 they are in the prefix cache, rather than computing them a second time: a burst of requests
 on one new system prompt computes it once (those behind it are admitted meanwhile).
+
+With speculative decoding (engine/speculative/), a running decode may verify tokens proposed
+after its last one in the same step: 1 + k tokens, blocks for all of them. Proposals come
+out of the step's budget and rows (the speculator's cap), and take only blocks beyond one
+per running sequence, so they never preempt anything; where that leaves less, fewer.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from dataclasses import dataclass, field
 from engine.core.block_manager import BlockManager
 from engine.core.queue_policy import SchedulingPolicy, make_queue
 from engine.core.sequence import Sequence, SequenceStatus
+from engine.speculative.speculator import Speculator
 
 # Leading blocks a waiting prompt must share with one being computed to wait for it: a step
 # of latency for it, against computing them twice.
@@ -41,6 +47,7 @@ class ScheduledBatch:
     num_prompt_tokens: int = 0  # of the tokens scheduled, those in their prompts
 
     def add(self, seq: Sequence, num_new_tokens: int) -> None:
+        """num_new_tokens counts seq.draft_token_ids, the proposals it verifies, if any."""
         self.seqs.append(seq)
         self.num_new_tokens.append(num_new_tokens)
         if seq.num_computed_tokens < seq.num_prompt_tokens:
@@ -53,8 +60,10 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 policy: SchedulingPolicy = "fcfs"):
+                 policy: SchedulingPolicy = "fcfs", speculator: Speculator | None = None):
         self.block_manager = block_manager
+        self.speculator = speculator
+        self._draft_rows_left = 0  # proposals the step being scheduled may still take
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting = make_queue(policy)
@@ -110,6 +119,9 @@ class Scheduler:
         """Running decodes, running prefills, then waiting requests in the policy's order."""
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
+        if self.speculator is not None:
+            num_decodes = sum(s.num_tokens - s.num_computed_tokens == 1 for s in self.running)
+            self._draft_rows_left = self.speculator.row_budget(num_decodes)
         # Decodes (one token left to compute) before prefills still in progress.
         for seq in sorted(self.running, key=lambda s: s.num_tokens - s.num_computed_tokens > 1):
             if budget == 0:
@@ -179,6 +191,8 @@ class Scheduler:
 
     def _schedule_running(self, seq: Sequence, batch: ScheduledBatch, budget: int) -> bool:
         num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+        drafts = self._drafts(seq, budget - num_new)  # within the free blocks: they never preempt
+        num_new += len(drafts)
         needed = self.block_manager.num_new_blocks_needed(seq, seq.num_computed_tokens + num_new)
         while not self.block_manager.can_allocate(needed):
             victim = self._preemption_victim(batch)
@@ -186,8 +200,21 @@ class Scheduler:
             if victim is seq:
                 return False
         self.block_manager.allocate(seq, seq.num_computed_tokens + num_new)
+        seq.draft_token_ids = drafts
         batch.add(seq, num_new)
         return True
+
+    def _drafts(self, seq: Sequence, budget: int) -> list[int]:
+        """Proposals for seq to verify this step, if it is a decode: within the step's budget
+        and rows, and the free blocks beyond one per running sequence."""
+        if self.speculator is None or seq.num_tokens - seq.num_computed_tokens != 1:
+            return []
+        bm = self.block_manager
+        spare_blocks = max(bm.num_free_blocks - len(self.running), 0)
+        free_slots = (seq.num_blocks + spare_blocks) * bm.block_size - seq.num_tokens
+        drafts = self.speculator.propose(seq, min(budget, self._draft_rows_left, free_slots))
+        self._draft_rows_left -= len(drafts)
+        return drafts
 
     def _admit(self, seq: Sequence, batch: ScheduledBatch, budget: int) -> bool:
         first_time = seq.timings.first_scheduled is None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -14,6 +15,9 @@ from engine.sampling.logits_controls import TokenCounts
 from engine.request.token_logprob import TokenLogprob
 from engine.request.sampling_params import SamplingParams
 from engine.request.scheduling import Scheduling
+
+if TYPE_CHECKING:
+    from engine.speculative.speculator import DraftState
 
 
 class SequenceStatus(enum.Enum):
@@ -78,6 +82,10 @@ class Sequence:
         # (the first has none), filled in as prefill chunks compute them; of the output so far.
         self.prompt_logprobs: list[TokenLogprob | None] | None = None if params.prompt_logprobs is None else [None]
         self.cumulative_logprob: float | None = None if params.logprobs is None else 0.0
+        # Speculative decoding: the tokens proposed after the last one, verified in this step's
+        # rows beside it (set by the scheduler, cleared once the step is done), and the proposer.
+        self.draft_token_ids: list[int] = []
+        self.draft_state: DraftState | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -88,11 +88,18 @@ class EngineStats:
     num_constrained_requests: int = 0
     num_grammar_compiles: int = 0
     grammar_compile_s: float = 0.0
+    # Speculative decoding, totals since start: proposed tokens verified, and those kept.
+    num_spec_proposed_tokens: int = 0
+    num_spec_accepted_tokens: int = 0
     taken_at: float = 0.0  # time.time() when these were read
 
     @property
     def kv_cache_usage(self) -> float:
         return self.num_kv_blocks_used / max(self.num_kv_blocks_total, 1)
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        return self.num_spec_accepted_tokens / max(self.num_spec_proposed_tokens, 1)
 
 
 @dataclass(frozen=True)

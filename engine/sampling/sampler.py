@@ -137,8 +137,13 @@ class Sampler:
         uniforms = torch.rand(num_rows, 1, generator=self.generator, device=device)
         for row, generator in enumerate(generators):
             if generator is not None:
-                uniforms[row] = torch.rand(1, generator=generator, device=device)
+                uniforms[row] = seeded_uniform(generator)
         return uniforms
+
+
+def seeded_uniform(generator: torch.Generator) -> torch.Tensor:
+    """A seeded row's draw: one call on its generator per row (speculation rewinds by it)."""
+    return torch.rand(1, generator=generator, device=generator.device)
 
 
 def _filter_min_p(logits: torch.Tensor, min_ps: torch.Tensor) -> torch.Tensor:
