@@ -6,6 +6,7 @@ GPT-2 has no chat template, and `transformers serve` answers /v1/chat/completion
 "assistant:").
 
     python -m loadtest.make_checkpoint /tmp/gpt2-random --arch gpt2
+    python -m loadtest.make_checkpoint /tmp/gpt2-random-08 --arch gpt2 --init-range 0.08
 """
 
 from __future__ import annotations
@@ -30,8 +31,10 @@ TINY = {**KNOWN_CONFIGS["gpt2"], "n_layer": 2, "n_embd": 64, "n_head": 4, "initi
 ARCHS = {**KNOWN_CONFIGS, "tiny": TINY}
 
 
-def make_checkpoint(directory: Path, arch: str = "gpt2", seed: int = 0) -> Path:
-    config = transformers.GPT2Config.from_dict(ARCHS[arch])
+def make_checkpoint(directory: Path, arch: str = "gpt2", seed: int = 0, init_range: float | None = None) -> Path:
+    """init_range: the weights' initializer_range, where not the architecture's."""
+    overrides = {} if init_range is None else {"initializer_range": init_range}
+    config = transformers.GPT2Config.from_dict({**ARCHS[arch], **overrides})
     torch.manual_seed(seed)
     transformers.GPT2LMHeadModel(config).save_pretrained(directory)
     tokenizer = load_tokenizer("gpt2")
@@ -45,8 +48,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("directory", type=Path)
     parser.add_argument("--arch", default="gpt2", choices=sorted(ARCHS))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--init-range", type=float, help="initializer_range (GPT-2's: 0.02)")
     args = parser.parse_args(argv)
-    make_checkpoint(args.directory, args.arch, args.seed)
+    make_checkpoint(args.directory, args.arch, args.seed, args.init_range)
     print(f"wrote {args.arch} with random weights to {args.directory}")
 
 
