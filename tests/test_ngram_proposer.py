@@ -24,6 +24,7 @@ def test_the_longest_recurring_suffix_wins_over_a_shorter_more_recent_one():
 def test_the_latest_earlier_occurrence_is_proposed_never_the_suffix_itself():
     tokens = [4, 5, 6, 4, 5, 7, 4, 5]
     assert NgramIndex(2, 2).propose(tokens, 3) == [7, 4, 5]
+    assert NgramIndex(2, 2).propose(tokens, 4) == [7, 4, 5, 7]
     assert NgramIndex(2, 2).propose([4, 5], 3) == []  # its only occurrence is itself
 
 
@@ -33,10 +34,11 @@ def test_a_match_shorter_than_prompt_lookup_min_proposes_nothing():
     assert NgramIndex(1, 4).propose(tokens, 3) == [9, 8, 7]
 
 
-def test_proposals_stop_at_the_sequence_end_and_at_num_tokens():
-    tokens = [1, 2, 3, 1, 2]
-    assert NgramIndex(1, 2).propose(tokens, 10) == [3, 1, 2]
+def test_proposals_past_the_sequence_end_repeat_with_the_matchs_period_up_to_num_tokens():
+    tokens = [1, 2, 3, 1, 2]  # [1, 2] recurs 3 tokens later: a loop of 3
+    assert NgramIndex(1, 2).propose(tokens, 7) == [3, 1, 2, 3, 1, 2, 3]
     assert NgramIndex(1, 2).propose(tokens, 1) == [3]
+    assert NgramIndex(1, 3).propose([9, 5, 5], 4) == [5, 5, 5, 5]  # a run of one token
 
 
 def test_the_index_grows_incrementally_and_proposes_as_one_built_at_once():

@@ -4,6 +4,11 @@ Per sequence an index maps each n-gram (prompt_lookup_min <= n <= prompt_lookup_
 latest position where it ended, among positions that have a following token. It grows with
 the sequence, max - min + 1 entries per token, so a proposal is a few dict lookups, never a
 scan of the history.
+
+What followed the occurrence runs up to the sequence's end, which for a recent one is soon:
+past it the proposal goes on copying itself (the match says the sequence repeats with the
+period from that occurrence to the end), so a loop of a few tokens, or a run of one,
+proposes num_tokens tokens rather than the few before the end.
 """
 
 from __future__ import annotations
@@ -24,11 +29,13 @@ class NgramIndex:
         self._num_indexed = max(self._num_indexed, len(token_ids) - 1)
 
     def propose(self, token_ids: list[int], num_tokens: int) -> list[int]:
-        """Up to num_tokens tokens that followed the longest suffix of token_ids found earlier
-        in it (its latest occurrence); [] where none of min_n..max_n tokens recurs."""
+        """num_tokens tokens that followed the longest suffix of token_ids found earlier in it
+        (its latest occurrence), repeating with its period past the end; [] where none of
+        min_n..max_n tokens recurs."""
         self.update(token_ids)
         for n in range(min(self.max_n, len(token_ids) - 1), self.min_n - 1, -1):
             end = self._last_end.get(tuple(token_ids[-n:]))
             if end is not None:
-                return token_ids[end + 1 : end + 1 + num_tokens]
+                follow = token_ids[end + 1 :]
+                return [follow[i % len(follow)] for i in range(num_tokens)]
         return []
