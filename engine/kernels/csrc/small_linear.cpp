@@ -2,6 +2,9 @@
 // its weight is in bf16 panels, 1 to 64 rows on blocked_linear.cpp's kernel; in fp32 panels,
 // 1 to 64 rows on blocked_linear_f32.cpp's; where it is plain,
 // up to three rows on a pass over it of our own; for more, oneDNN's product on the packed one.
+// A caller's max_rows lowers that limit (0: oneDNN's always): where the two cross depends on
+// the CPU (oneDNN on AMX tiles wins from a few rows on), so the engine measures it
+// (engine/core/tuner.py) and passes it in; -1 keeps the kernel's own.
 // The epilogues are those inductor fuses into oneDNN's linears in the decode graph, which it
 // cannot see through this op: "none", "gelu" (tanh-approximated, GPT-2's) and "add" (y +
 // other, the residual).
@@ -108,7 +111,7 @@ using Binary = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor
 // The most rows our kernel takes: past them oneDNN's product is as fast or faster, by
 // measurement (BENCHMARKS.md, "Designs shipped": linears); for fp32 on AVX-512 that is from three
 // rows on.
-int64_t max_rows(at::ScalarType dtype) {
+int64_t plain_rows(at::ScalarType dtype) {
 #if defined(CPU_CAPABILITY_AVX512)
   if (dtype == at::kFloat) return 2;
 #endif
@@ -132,6 +135,9 @@ int epilogue_kind(c10::string_view epilogue) {
   return epilogue == "gelu" ? Epilogue::kGelu : epilogue == "add" ? Epilogue::kAdd : Epilogue::kNone;
 }
 
+// The rows our kernel takes: its own limit, lowered by the caller's max_rows (-1: not lowered).
+int64_t rows_limit(int64_t own, int64_t asked) { return asked < 0 ? own : std::min(own, asked); }
+
 template <typename T>
 using PanelKernel = at::Tensor (*)(const at::Tensor&, const at::Tensor&, int64_t, const T*, int, const T*);
 
@@ -140,10 +146,11 @@ using PanelKernel = at::Tensor (*)(const at::Tensor&, const at::Tensor&, int64_t
 template <typename T>
 at::Tensor on_panels(const at::Tensor& x, const at::Tensor& packed_weight, const at::Tensor& panels, int64_t K,
                      const std::optional<at::Tensor>& bias, c10::string_view epilogue,
-                     const std::optional<at::Tensor>& other, PanelKernel<T> kernel) {
+                     const std::optional<at::Tensor>& other, PanelKernel<T> kernel, int64_t max_rows) {
   const int64_t N = packed_weight.size(0);
   const auto dtype = c10::CppTypeToScalarType<T>::value;
-  const bool ours = x.dim() >= 1 && x.size(-1) == K && x.numel() > 0 && x.numel() <= rayinfer::kMaxBlockedRows * K &&
+  const int64_t limit = rows_limit(rayinfer::kMaxBlockedRows, max_rows);
+  const bool ours = x.dim() >= 1 && x.size(-1) == K && x.numel() > 0 && x.numel() <= limit * K &&
                     x.scalar_type() == dtype && (!bias || bias->scalar_type() == dtype) &&
                     (!other || (other->numel() == x.numel() / K * N && other->scalar_type() == dtype));
   if (!ours) return onednn(x, packed_weight, bias, epilogue, other);
@@ -154,16 +161,18 @@ at::Tensor on_panels(const at::Tensor& x, const at::Tensor& packed_weight, const
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed_weight, const at::Tensor& weight,
                   const std::optional<at::Tensor>& bias, c10::string_view epilogue,
-                  const std::optional<at::Tensor>& other) {
+                  const std::optional<at::Tensor>& other, int64_t max_rows) {
   TORCH_CHECK(epilogue == "none" || epilogue == "gelu" || epilogue == "add", "linear: unknown epilogue ", epilogue);
   TORCH_CHECK((epilogue == "add") == (other.has_value() && other->defined()), "linear: `other` goes with \"add\" alone");
   if (weight.dim() == 4)
     return on_panels<at::BFloat16>(x, packed_weight, weight, 2 * weight.size(1), bias, epilogue, other,
-                                   rayinfer::blocked_linear);
+                                   rayinfer::blocked_linear, max_rows);
   if (weight.dim() == 3)
-    return on_panels<float>(x, packed_weight, weight, weight.size(1), bias, epilogue, other, rayinfer::blocked_linear_f32);
+    return on_panels<float>(x, packed_weight, weight, weight.size(1), bias, epilogue, other, rayinfer::blocked_linear_f32,
+                            max_rows);
   const int64_t K = weight.size(1), N = weight.size(0);
-  const bool few = x.dim() >= 1 && x.size(-1) == K && x.numel() <= max_rows(x.scalar_type()) * K && x.numel() > 0;
+  const int64_t limit = rows_limit(plain_rows(x.scalar_type()), max_rows);
+  const bool few = x.dim() >= 1 && x.size(-1) == K && x.numel() <= limit * K && x.numel() > 0;
   const bool dense = x.is_contiguous() && weight.is_contiguous() && x.scalar_type() == weight.scalar_type() &&
                      (!other || (other->is_contiguous() && other->numel() == x.numel() / K * N &&
                                  other->scalar_type() == x.scalar_type()));
@@ -179,7 +188,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed_weight, const at
 
 TORCH_LIBRARY_FRAGMENT(rayinfer, m) {
   m.def("linear(Tensor x, Tensor packed_weight, Tensor weight, Tensor? bias, str epilogue=\"none\", "
-        "Tensor? other=None) -> Tensor");
+        "Tensor? other=None, int max_rows=-1) -> Tensor");
 }
 
 // fp32 weights pack into an MKLDNN-layout tensor, which dispatches on its own key.
