@@ -86,8 +86,11 @@ class EngineConfig:
     # (engine/kernels/csrc/blocked_linear.cpp); in fp32 on the AVX2 build, the same on fp32 panels
     # (engine/kernels/csrc/blocked_linear_f32.cpp); elsewhere, steps of one to three rows on the plain
     # weights (engine/kernels/csrc/small_linear.cpp; the decode graph pads one row to two). Measured:
-    # BENCHMARKS.md, "Designs shipped": linears. torch: oneDNN's product for every step. auto: ours
-    # on CPU where the linears are packed and they build, else oneDNN's, logged.
+    # BENCHMARKS.md, "Designs shipped": linears. torch: oneDNN's product for every step (an
+    # opaque op in the decode graph: engine/kernels/onednn_linear.py). auto: ours on CPU where
+    # the linears are packed and they build, up to the row count where oneDNN's gets faster,
+    # measured on this machine with the decode graph's compile (engine/core/tuner.py; cached);
+    # until then, and without the graph, up to the kernel's own limit. Else oneDNN's, logged.
     small_batch_linear: KernelChoice = "auto"
     seed: int = 0
     block_size: int = 16
@@ -124,7 +127,9 @@ class EngineConfig:
     # small step's OpenMP barriers more than a second thread speeds it up, in bf16; in fp32,
     # twice the bytes a step, the second thread wins (engine/core/step_threads.py; BENCHMARKS.md,
     # "Designs shipped": one thread for one-token steps).
-    # 0: every step on num_threads; auto: 1 on CPU in bf16, else 0.
+    # 0: every step on num_threads; auto: measured on this machine with the decode graph's
+    # compile (engine/core/tuner.py; cached): the largest step one thread runs at most 30%
+    # slower than num_threads; until then, and without the graph, 1 on CPU in bf16, else 0.
     one_thread_max_tokens: int | Literal["auto"] = "auto"
 
     def __post_init__(self) -> None:
@@ -192,7 +197,8 @@ class EngineConfig:
 
     @cached_property
     def one_thread_tokens(self) -> int:
-        """one_thread_max_tokens resolved: 0 off the CPU, where torch's threads don't run steps."""
+        """one_thread_max_tokens resolved before any measurement (the tuner may move auto's):
+        0 off the CPU, where torch's threads don't run steps."""
         if self.torch_device.type != "cpu":
             return 0
         if self.one_thread_max_tokens == "auto":

@@ -1,0 +1,151 @@
+"""The hot path's `auto` choices, measured on this machine rather than guessed from its ISA
+flags: each candidate timed on the model's own layers, at the step sizes the engine runs.
+
+What it decides (each only where its option is `auto`):
+- small_batch_linear: up to how many rows a step's linears run on our kernel, oneDNN's
+  product past them (PackedLinear.max_rows). Both are timed on every linear of the model,
+  in step order (so the weights stream from memory as in a step), at 1 to 64 rows. On an
+  AMX CPU oneDNN's product wins from a few rows on, on AVX-512 BF16 without AMX ours wins
+  up to 64: the measurement finds either.
+- one_thread_max_tokens: the largest step (in rows) that runs on one torch thread. Measured
+  offline, a second thread almost always helps; in a server the engine's cores are shared
+  with the path to the client, whose preemptions stall a small step's barriers
+  (engine/core/step_threads.py). So one thread is chosen where it costs at most
+  SHARED_CORES_MARGIN over all threads: there a second thread buys less than it risks.
+
+It runs with the decode graph's compile, on its thread (off the serving path: steps run on
+the defaults meanwhile), before the graph is traced, so the graph holds the measured
+limits; the table is cached on disk (engine/core/tuning_cache.py), so a later start with
+the same key loads it in milliseconds.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+import engine.kernels.onednn_linear as onednn
+from engine.model.packed_linear import PackedLinear, own_max_rows
+
+logger = logging.getLogger(__name__)
+
+LINEAR_ROWS = (1, 2, 4, 8, 16, 32, 64)  # a stream's decode (padded to 2 by the graph) to a batch of 64
+THREAD_ROWS = (1, 2, 4, 8)
+SHARED_CORES_MARGIN = 1.3
+REPEATS = 5
+
+
+@dataclass(frozen=True)
+class Timing:
+    choice: str  # the option it decides: small_batch_linear, one_thread_max_tokens
+    rows: int
+    candidate: str
+    ms: float  # the best of REPEATS
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """The measured choices (None: not tuned, the option's value or default stands) and the
+    table they came from."""
+    linear_max_rows: int | None = None
+    one_thread_max_tokens: int | None = None
+    timings: tuple[Timing, ...] = ()
+
+    def log(self, source: str) -> None:
+        """The table, each candidate's time a line, and the winners, once per engine."""
+        winners = [f"{name} {value}" for name, value in (("small_batch_linear: ours up to rows", self.linear_max_rows),
+                                                          ("one_thread_max_tokens", self.one_thread_max_tokens))
+                   if value is not None]
+        logger.info("tuning (%s): %s", source, ", ".join(winners))
+        for t in self.timings:
+            logger.info("tuning: %-22s %3d rows  %-8s %8.3f ms", t.choice, t.rows, t.candidate, t.ms)
+
+
+def race(candidates: dict[str, Callable[[], object]], repeats: int = REPEATS) -> dict[str, float]:
+    """Each candidate's best time in ms, the candidates interleaved (one call of each per
+    round, after a warm-up round) so that a machine's drift falls on all of them alike. The
+    best, not the median: the tuner runs beside a serving engine and other processes, whose
+    preemptions only ever add time, and in bursts longer than a call."""
+    times: dict[str, list[float]] = {name: [] for name in candidates}
+    for round_ in range(repeats + 1):
+        for name, run in candidates.items():
+            start = time.perf_counter()
+            run()
+            if round_:
+                times[name].append((time.perf_counter() - start) * 1000)
+    return {name: min(ms) for name, ms in times.items()}
+
+
+def threshold(times: Sequence[tuple[int, float, float]]) -> int:
+    """(rows, below's ms, above's ms) for ascending row counts -> the row count up to which
+    `below` runs and past which `above` does (0: above always), the one whose choices cost
+    least, each row count's cost its time over the faster candidate's there: every count
+    weighs alike, and one noisy count among many does not move the threshold far."""
+    def cost(limit: int) -> float:
+        return sum((below if rows <= limit else above) / min(below, above) for rows, below, above in times)
+    return min((0, *(rows for rows, _, _ in times)), key=cost)
+
+
+def tune(model: torch.nn.Module, linears: bool, threads: int | None) -> Tuning:
+    """Measure what is asked: linears (the crossover of our kernel and oneDNN's), threads
+    (the engine's thread count, to race one thread against). Call under no grad."""
+    layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    timings: list[Timing] = []
+    max_rows = None
+    if linears and layers and layers[0].few_rows:
+        max_rows, found = _tune_linears(layers)
+        timings += found
+    one_thread = None
+    if threads is not None and threads > 1 and layers:
+        one_thread, found = _tune_threads(layers, -1 if max_rows is None else max_rows, threads)
+        timings += found
+    return Tuning(max_rows, one_thread, tuple(timings))
+
+
+def _tune_linears(layers: list[PackedLinear]) -> tuple[int, list[Timing]]:
+    timings, times = [], []
+    for rows in (r for r in LINEAR_ROWS if r <= own_max_rows(layers[0])):
+        ms = race({"ours": _step(layers, rows, -1), "oneDNN": _step(layers, rows, 0)})
+        timings += [Timing("small_batch_linear", rows, name, t) for name, t in ms.items()]
+        times.append((rows, ms["ours"], ms["oneDNN"]))
+    return threshold(times), timings
+
+
+def _tune_threads(layers: list[PackedLinear], max_rows: int, threads: int) -> tuple[int, list[Timing]]:
+    timings, times = [], []
+    before = torch.get_num_threads()
+    try:
+        for rows in THREAD_ROWS:
+            step = _step(layers, rows, max_rows)
+            ms = race({"1 thread": _on_threads(step, 1), f"{threads} threads": _on_threads(step, threads)})
+            timings += [Timing("one_thread_max_tokens", rows, name, t) for name, t in ms.items()]
+            times.append((rows, ms["1 thread"] / SHARED_CORES_MARGIN, ms[f"{threads} threads"]))
+    finally:
+        torch.set_num_threads(before)
+    return threshold(times), timings
+
+
+def _step(layers: list[PackedLinear], rows: int, max_rows: int) -> Callable[[], None]:
+    """A step's linears at `rows` rows, ours up to max_rows (-1: the kernel's limit; 0: none)."""
+    inputs = {n: torch.randn(rows, n).to(layers[0].packed_weight.dtype) for n in {layer.in_features for layer in layers}}
+
+    def run() -> None:
+        for layer in layers:
+            x = inputs[layer.in_features]
+            if layer.few_rows:
+                torch.ops.rayinfer.linear(x, layer.packed_weight, layer.weight, layer.bias, "none", None, max_rows)
+            else:
+                onednn.linear(x, layer.packed_weight, layer.bias)
+    return run
+
+
+def _on_threads(step: Callable[[], None], threads: int) -> Callable[[], None]:
+    def run() -> None:
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+        step()
+    return run
