@@ -86,7 +86,8 @@ def apply_measured_choices(config: EngineConfig, model: GPT2LMHead, step_threads
     if tuning is None:
         with torch.no_grad():
             tuning = tune(model, linears, threads)
-        tuning.log(f"measured, saved to {tuning_cache.save(key, tuning)}")
+        where = f"saved to {tuning_cache.save(key, tuning)}" if tuning.complete else "over its time budget, not cached"
+        tuning.log(f"measured, {where}")
     else:
         tuning.log("loaded from the cache")
     _apply(tuning, model, step_threads)

@@ -36,7 +36,10 @@ logger = logging.getLogger(__name__)
 LINEAR_ROWS = (1, 2, 4, 8, 16, 32, 64)  # a stream's decode (padded to 2 by the graph) to a batch of 64
 THREAD_ROWS = (1, 2, 4, 8)
 SHARED_CORES_MARGIN = 1.3
-REPEATS = 5
+REPEATS = 3
+# Past it the tuner stops: a machine busy enough to stretch a few seconds' measuring this far
+# gives timings that mean little. What it measured by then is used, not cached.
+BUDGET_S = 20.0
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,7 @@ class Tuning:
     linear_max_rows: int | None = None
     one_thread_max_tokens: int | None = None
     timings: tuple[Timing, ...] = ()
+    complete: bool = True  # every candidate measured within BUDGET_S
 
     def log(self, source: str) -> None:
         """The table, each candidate's time a line, and the winners, once per engine."""
@@ -90,43 +94,58 @@ def threshold(times: Sequence[tuple[int, float, float]]) -> int:
     return min((0, *(rows for rows, _, _ in times)), key=cost)
 
 
-def tune(model: torch.nn.Module, linears: bool, threads: int | None) -> Tuning:
+def tune(model: torch.nn.Module, linears: bool, threads: int | None, budget_s: float | None = None) -> Tuning:
     """Measure what is asked: linears (the crossover of our kernel and oneDNN's), threads
     (the engine's thread count, to race one thread against). Call under no grad."""
     layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    deadline = time.monotonic() + (BUDGET_S if budget_s is None else budget_s)
     timings: list[Timing] = []
-    max_rows = None
+    max_rows = one_thread = None
+    complete = True
     if linears and layers and layers[0].few_rows:
-        max_rows, found = _tune_linears(layers)
-        timings += found
-    one_thread = None
+        max_rows, found, done = _tune_linears(layers, deadline)
+        timings, complete = timings + found, complete and done
     if threads is not None and threads > 1 and layers:
-        one_thread, found = _tune_threads(layers, -1 if max_rows is None else max_rows, threads)
-        timings += found
-    return Tuning(max_rows, one_thread, tuple(timings))
+        one_thread, found, done = _tune_threads(layers, -1 if max_rows is None else max_rows, threads, deadline)
+        timings, complete = timings + found, complete and done
+    return Tuning(max_rows, one_thread, tuple(timings), complete)
 
 
-def _tune_linears(layers: list[PackedLinear]) -> tuple[int, list[Timing]]:
+def _tune_linears(layers: list[PackedLinear], deadline: float) -> tuple[int | None, list[Timing], bool]:
     timings, times = [], []
     for rows in (r for r in LINEAR_ROWS if r <= own_max_rows(layers[0])):
+        if time.monotonic() > deadline:
+            return _limit(times, complete=False), timings, False
         ms = race({"ours": _step(layers, rows, -1), "oneDNN": _step(layers, rows, 0)})
         timings += [Timing("small_batch_linear", rows, name, t) for name, t in ms.items()]
         times.append((rows, ms["ours"], ms["oneDNN"]))
-    return threshold(times), timings
+    return _limit(times, complete=True), timings, True
 
 
-def _tune_threads(layers: list[PackedLinear], max_rows: int, threads: int) -> tuple[int, list[Timing]]:
+def _tune_threads(layers: list[PackedLinear], max_rows: int, threads: int,
+                  deadline: float) -> tuple[int | None, list[Timing], bool]:
     timings, times = [], []
     before = torch.get_num_threads()
     try:
         for rows in THREAD_ROWS:
+            if time.monotonic() > deadline:
+                return _limit(times, complete=False), timings, False
             step = _step(layers, rows, max_rows)
             ms = race({"1 thread": _on_threads(step, 1), f"{threads} threads": _on_threads(step, threads)})
             timings += [Timing("one_thread_max_tokens", rows, name, t) for name, t in ms.items()]
             times.append((rows, ms["1 thread"] / SHARED_CORES_MARGIN, ms[f"{threads} threads"]))
     finally:
         torch.set_num_threads(before)
-    return threshold(times), timings
+    return _limit(times, complete=True), timings, True
+
+
+def _limit(times: list[tuple[int, float, float]], complete: bool) -> int | None:
+    """threshold(times); None (the default stands) where the measuring stopped early and the
+    threshold is its last count: past it nothing is known."""
+    if not times:
+        return None
+    limit = threshold(times)
+    return None if not complete and limit == times[-1][0] else limit
 
 
 def _step(layers: list[PackedLinear], rows: int, max_rows: int) -> Callable[[], None]:

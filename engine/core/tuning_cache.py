@@ -58,7 +58,7 @@ def load(key: TuningKey) -> Tuning | None:
             return None
         fields = saved["tuning"]
         return Tuning(fields["linear_max_rows"], fields["one_thread_max_tokens"],
-                      tuple(Timing(**timing) for timing in fields["timings"]))
+                      tuple(Timing(**timing) for timing in fields["timings"]), fields["complete"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
