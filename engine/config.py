@@ -66,7 +66,8 @@ class EngineConfig:
     cuda_graphs: bool | Literal["auto"] = "auto"
     # The compiled decode graph's attention. native: our C++ kernel (engine/kernels/native_attention.py,
     # built once per machine for the probed ISA, ~10 s); torch: the same math as a PyTorch
-    # expression inductor compiles; auto: native on CPU where it builds, else torch, logged.
+    # expression inductor compiles; auto: where ours builds, the faster of the two, measured on
+    # this machine before the graph compiles (engine/core/tuner.py; cached), else torch, logged.
     decode_attention: KernelChoice = "auto"
     # Steps of up to this many tokens with prefill chunks among them (new prompts, chunks of
     # long ones, beside decodes) take the compiled graph too, its attention reading each

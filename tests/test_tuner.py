@@ -1,9 +1,10 @@
-"""The hot path's `auto` choices are measured (engine/core/tuner.py): the faster candidate wins,
-with slowness injected into the other (50 ms a call, far past any machine's noise); the
-table is cached on disk under a key of what decides it (engine/core/tuning_cache.py), loaded
-by a later start and measured again when the key changes; the engine sets the measured
-choices before its decode graph is traced; and every linear the tuner may pick computes
-what the reference path computes, at GPT-2-small's size, teacher-forced."""
+"""The hot path's `auto` choices are measured (engine/core/tuner.py): the faster candidate wins
+(linears, threads, attention), with slowness injected into the other (50 ms a call, far past
+any machine's noise); the table is cached on disk under a key of what decides it
+(engine/core/tuning_cache.py), loaded by a later start and measured again when the key
+changes; the engine sets the measured choices before its decode graph is traced; and every
+linear the tuner may pick computes what the reference path computes, at GPT-2-small's size,
+teacher-forced."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ import engine.core.tuner as tuner
 import engine.core.tuning_cache as tuning_cache
 from engine import LLM
 from engine.core.kernel_choice import apply_measured_choices
-from engine.core.tuner import Tuning, race, threshold, tune
+from engine.core.tuner import Tuning, cheaper, race, threshold, tune
+from engine.model.attention import decode_attention_with_own
 from engine.model.decode_graph import DecodeGraph
 from engine.model.packed_linear import PackedLinear, can_pack, own_max_rows
 from tests.engine_helpers import mixed_prompts, write_peaked_gpt2_small
@@ -52,6 +54,11 @@ def slowed(run, seconds: float = SLOW_S):
 def test_the_race_times_every_candidate_and_the_slowed_one_loses():
     ms = race({"fast": lambda: None, "slow": slowed(lambda: None)}, repeats=2)
     assert ms["slow"] >= SLOW_S * 1000 > ms["fast"]
+
+
+def test_one_attention_for_every_count_is_the_one_that_costs_less_over_all_counts():
+    assert cheaper([(2, 1.0, 2.0), (8, 1.0, 2.0), (32, 1.5, 1.0)])
+    assert not cheaper([(2, 1.0, 1.1), (8, 2.0, 1.0), (32, 3.0, 1.0)])
 
 
 def test_the_threshold_is_where_the_candidates_cross_and_one_noisy_count_does_not_move_it():
@@ -129,13 +136,30 @@ def test_options_set_by_hand_are_not_measured(tiny_gpt2_dir, monkeypatch):
 def test_the_engine_sets_the_measured_choices_before_its_graph_is_traced(tiny_gpt2_dir, tmp_path, monkeypatch):
     monkeypatch.setenv(tuning_cache.TUNING_DIR_ENV, str(tmp_path))  # no table yet: it measures
     tuned, seen = [], []
-    monkeypatch.setattr(kernel_choice, "tune", lambda model, *_: tuned.append(model) or Tuning(2, 5))
+    monkeypatch.setattr(kernel_choice, "tune", lambda model, *_: tuned.append(model) or Tuning(2, 5, "ours"))
     monkeypatch.setattr(DecodeGraph, "warm_up", lambda *_: seen.append(
         {m.max_rows for m in tuned[0].modules() if isinstance(m, PackedLinear)}))
     llm = LLM(str(tiny_gpt2_dir), weights="pretrained", dtype=DTYPE, device="cpu", compile_decode=True,
               num_threads=2)
     assert tuned == [llm.engine.runner.model] and seen == [{2}]
     assert llm.engine.step_threads.one_thread_max_tokens == 5
+
+
+@pytest.mark.parametrize("slow", ["ours", "torch"])
+def test_the_tuner_picks_the_faster_attention_and_the_graph_is_traced_on_it(tiny_gpt2_dir, tmp_path, monkeypatch,
+                                                                            slow):
+    monkeypatch.setenv(tuning_cache.TUNING_DIR_ENV, str(tmp_path))
+    monkeypatch.setattr(tuner, "compile_for", lambda _device, fn, **_: fn)  # the choice is under test, not inductor
+    step = tuner._attention_step
+    monkeypatch.setattr(tuner, "_attention_step", lambda attention, pool, rows: (
+        slowed(step(attention, pool, rows)) if (attention is decode_attention_with_own) == (slow == "torch")
+        else step(attention, pool, rows)))
+    monkeypatch.setattr(DecodeGraph, "warm_up", lambda *_: None)
+    llm = LLM(str(tiny_gpt2_dir), weights="pretrained", dtype=DTYPE, device="cpu", compile_decode=True,
+              small_batch_linear="native", one_thread_max_tokens=1)  # decode_attention alone is auto
+    graph = llm.engine.runner.decode_graph
+    assert graph.attention is (decode_attention_with_own if slow == "ours" else torch.ops.rayinfer.decode_attention)
+    assert graph.native_write is (slow == "torch")
 
 
 @pytest.fixture(scope="module")

@@ -289,7 +289,7 @@ class LLMEngine:
         """The measured choices first (engine/core/tuner.py), so that the graph is traced on
         them; where tuning fails, the defaults stand (logged) and the graph compiles on them."""
         try:
-            apply_measured_choices(self.config, self.runner.model, self.step_threads)
+            apply_measured_choices(self.config, self.runner.model, self.step_threads, graph, self.runner.kv_pool)
         except Exception as exc:  # noqa: BLE001 - a slower default is still a correct one
             logger.warning("tuning failed (%r); the hot path's auto choices keep their defaults", exc)
         return self._warm_up(graph, sampler)

@@ -4,9 +4,12 @@ flags: each candidate timed on the model's own layers, at the step sizes the eng
 What it decides (each only where its option is `auto`):
 - small_batch_linear: up to how many rows a step's linears run on our kernel, oneDNN's
   product past them (PackedLinear.max_rows). Both are timed on every linear of the model,
-  in step order (so the weights stream from memory as in a step), at 1 to 64 rows. On an
-  AMX CPU oneDNN's product wins from a few rows on, on AVX-512 BF16 without AMX ours wins
-  up to 64: the measurement finds either.
+  in step order (so the weights stream from memory as in a step), at 1 to 64 rows. Where
+  oneDNN runs on AMX tiles its product wins from a few rows on, where it does not ours may
+  win at every count it takes: the measurement finds either, with no ISA flag read.
+- decode_attention: our kernel or the expression inductor compiles, one for the graph:
+  both timed on the engine's KV pool at a few decode batches (the expression compiled
+  alone first, outside the time budget).
 - one_thread_max_tokens: the largest step (in rows) that runs on one torch thread. Measured
   offline, a second thread almost always helps; in a server the engine's cores are shared
   with the path to the client, whose preemptions stall a small step's barriers
@@ -29,12 +32,16 @@ from dataclasses import dataclass
 import torch
 
 import engine.kernels.onednn_linear as onednn
+from engine.kernels.inductor import compile_for
+from engine.model.attention import decode_attention_with_own
 from engine.model.packed_linear import PackedLinear, own_max_rows
 
 logger = logging.getLogger(__name__)
 
 LINEAR_ROWS = (1, 2, 4, 8, 16, 32, 64)  # a stream's decode (padded to 2 by the graph) to a batch of 64
 THREAD_ROWS = (1, 2, 4, 8)
+ATTENTION_ROWS = (2, 8, 32)  # decodes a step; 2, not 1: the graph pads one row to two
+ATTENTION_CONTEXT = 200  # cached tokens each row attends to
 SHARED_CORES_MARGIN = 1.3
 REPEATS = 3
 # Past it the tuner stops: a machine busy enough to stretch a few seconds' measuring this far
@@ -44,7 +51,7 @@ BUDGET_S = 20.0
 
 @dataclass(frozen=True)
 class Timing:
-    choice: str  # the option it decides: small_batch_linear, one_thread_max_tokens
+    choice: str  # the option it decides: small_batch_linear, one_thread_max_tokens, decode_attention
     rows: int
     candidate: str
     ms: float  # the best of REPEATS
@@ -56,13 +63,15 @@ class Tuning:
     table they came from."""
     linear_max_rows: int | None = None
     one_thread_max_tokens: int | None = None
+    decode_attention: str | None = None  # "ours" or "torch"
     timings: tuple[Timing, ...] = ()
     complete: bool = True  # every candidate measured within BUDGET_S
 
     def log(self, source: str) -> None:
         """The table, each candidate's time a line, and the winners, once per engine."""
         winners = [f"{name} {value}" for name, value in (("small_batch_linear: ours up to rows", self.linear_max_rows),
-                                                          ("one_thread_max_tokens", self.one_thread_max_tokens))
+                                                          ("one_thread_max_tokens", self.one_thread_max_tokens),
+                                                          ("decode_attention", self.decode_attention))
                    if value is not None]
         logger.info("tuning (%s): %s", source, ", ".join(winners))
         for t in self.timings:
@@ -94,9 +103,11 @@ def threshold(times: Sequence[tuple[int, float, float]]) -> int:
     return min((0, *(rows for rows, _, _ in times)), key=cost)
 
 
-def tune(model: torch.nn.Module, linears: bool, threads: int | None, budget_s: float | None = None) -> Tuning:
+def tune(model: torch.nn.Module, linears: bool, threads: int | None, kv_pool: torch.Tensor | None = None,
+         budget_s: float | None = None) -> Tuning:
     """Measure what is asked: linears (the crossover of our kernel and oneDNN's), threads
-    (the engine's thread count, to race one thread against). Call under no grad."""
+    (the engine's thread count, to race one thread against), kv_pool (the engine's: our
+    attention against inductor's). Call under no grad."""
     layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
     deadline = time.monotonic() + (BUDGET_S if budget_s is None else budget_s)
     timings: list[Timing] = []
@@ -108,7 +119,11 @@ def tune(model: torch.nn.Module, linears: bool, threads: int | None, budget_s: f
     if threads is not None and threads > 1 and layers:
         one_thread, found, done = _tune_threads(layers, -1 if max_rows is None else max_rows, threads, deadline)
         timings, complete = timings + found, complete and done
-    return Tuning(max_rows, one_thread, tuple(timings), complete)
+    attention = None
+    if kv_pool is not None:
+        attention, found, done = _tune_attention(kv_pool, deadline)
+        timings, complete = timings + found, complete and done
+    return Tuning(max_rows, one_thread, attention, tuple(timings), complete)
 
 
 def _tune_linears(layers: list[PackedLinear], deadline: float) -> tuple[int | None, list[Timing], bool]:
@@ -139,6 +154,51 @@ def _tune_threads(layers: list[PackedLinear], max_rows: int, threads: int,
     return _limit(times, complete=True), timings, True
 
 
+def _tune_attention(kv_pool: torch.Tensor, deadline: float) -> tuple[str | None, list[Timing], bool]:
+    compiled = compile_for(kv_pool.device, decode_attention_with_own, dynamic=True)
+    started = time.monotonic()
+    _attention_step(compiled, kv_pool, ATTENTION_ROWS[0])()  # the compile, outside the budget
+    deadline += time.monotonic() - started
+    timings, times = [], []
+    for rows in ATTENTION_ROWS:
+        if time.monotonic() > deadline:
+            return None, timings, False
+        ms = race({"ours": _attention_step(torch.ops.rayinfer.decode_attention, kv_pool, rows),
+                   "torch": _attention_step(compiled, kv_pool, rows)})
+        timings += [Timing("decode_attention", rows, name, t) for name, t in ms.items()]
+        times.append((rows, ms["ours"], ms["torch"]))
+    return ("ours" if cheaper(times) else "torch"), timings, True
+
+
+def cheaper(times: Sequence[tuple[int, float, float]]) -> bool:
+    """Whether the first candidate of (rows, first's ms, second's ms) costs no more than the
+    second over every count, each count weighing alike (threshold's cost)."""
+    return sum(a / min(a, b) for _, a, b in times) <= sum(b / min(a, b) for _, a, b in times)
+
+
+def _attention_step(attention: Callable[..., torch.Tensor], kv_pool: torch.Tensor, rows: int) -> Callable[[], None]:
+    """A decode step's attention, every layer's, at `rows` rows of ATTENTION_CONTEXT cached
+    tokens each. One layer's pools serve every layer's call: the layers' views differ in
+    offset, which a compiled expression would be compiled again for; they are static, as in
+    the graph, and the block table's width is none of the other sizes, which dynamo would
+    tie to it (DecodeGraph.warm_up)."""
+    num_layers, _, heads, num_blocks, block_size, head_dim = kv_pool.shape
+    k_cache, v_cache = kv_pool[0, 0], kv_pool[0, 1]
+    for cache in (k_cache, v_cache):
+        torch._dynamo.mark_static(cache)
+    width = next(w for w in range(-(-ATTENTION_CONTEXT // block_size), 1 << 20)
+                 if w not in (rows, heads, head_dim, block_size))
+    tables = (torch.arange(rows * width) % num_blocks).view(rows, width)
+    context = torch.full((rows,), min(ATTENTION_CONTEXT, width * block_size), dtype=torch.int64)
+    q, k, v = (torch.randn(rows, heads, head_dim).to(kv_pool.dtype) for _ in range(3))
+
+    def run() -> None:
+        with torch.inference_mode():
+            for _ in range(num_layers):
+                attention(q, k, v, k_cache, v_cache, tables, context)
+    return run
+
+
 def _limit(times: list[tuple[int, float, float]], complete: bool) -> int | None:
     """threshold(times); None (the default stands) where the measuring stopped early and the
     threshold is its last count: past it nothing is known."""
@@ -150,7 +210,8 @@ def _limit(times: list[tuple[int, float, float]], complete: bool) -> int | None:
 
 def _step(layers: list[PackedLinear], rows: int, max_rows: int) -> Callable[[], None]:
     """A step's linears at `rows` rows, ours up to max_rows (-1: the kernel's limit; 0: none)."""
-    inputs = {n: torch.randn(rows, n).to(layers[0].packed_weight.dtype) for n in {layer.in_features for layer in layers}}
+    dtype = layers[0].packed_weight.dtype
+    inputs = {n: torch.randn(rows, n).to(dtype) for n in {layer.in_features for layer in layers}}
 
     def run() -> None:
         for layer in layers:

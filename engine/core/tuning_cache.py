@@ -57,7 +57,7 @@ def load(key: TuningKey) -> Tuning | None:
         if saved["key"] != key:
             return None
         fields = saved["tuning"]
-        return Tuning(fields["linear_max_rows"], fields["one_thread_max_tokens"],
+        return Tuning(fields["linear_max_rows"], fields["one_thread_max_tokens"], fields["decode_attention"],
                       tuple(Timing(**timing) for timing in fields["timings"]), fields["complete"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
