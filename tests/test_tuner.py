@@ -31,6 +31,7 @@ from tests.test_decode_graph import assert_fast_scores_close
 DTYPE = "bfloat16" if can_pack(torch.device("cpu"), torch.bfloat16) else "float32"
 ATOL = {"bfloat16": 0.15, "float32": 1e-3}[DTYPE]  # test_decode_graph's, eager against eager
 SLOW_S = 0.05
+NUM_KV_BLOCKS = 64  # GPT-2-small's engines: the prompts need ~16 blocks; the default is ~2 GB each
 
 pytestmark = pytest.mark.skipif(not can_pack(torch.device("cpu"), torch.float32),
                                 reason="needs oneDNN's linear ops on x86-64")
@@ -170,7 +171,7 @@ def gpt2_small_dir(tmp_path_factory, gpt2_tokenizer) -> Path:
 @pytest.fixture(scope="module")
 def gpt2_small_reference(gpt2_small_dir) -> LLM:
     return LLM(str(gpt2_small_dir), weights="pretrained", dtype=DTYPE, device="cpu", linears="reference",
-               compile_decode=False)
+               compile_decode=False, num_kv_blocks=NUM_KV_BLOCKS)
 
 
 # Each linear the tuner may choose: oneDNN's for every step (and small_batch_linear: torch),
@@ -179,7 +180,7 @@ def gpt2_small_reference(gpt2_small_dir) -> LLM:
 def test_every_linear_the_tuner_may_pick_matches_the_reference_at_gpt2_small_size(
         gpt2_small_dir, gpt2_small_reference, option, max_rows):
     fast = LLM(str(gpt2_small_dir), weights="pretrained", dtype=DTYPE, device="cpu", compile_decode=False,
-               small_batch_linear=option)
+               small_batch_linear=option, num_kv_blocks=NUM_KV_BLOCKS)
     for layer in packed_layers(fast):
         assert layer.few_rows == (option == "auto")
         layer.max_rows = -1 if max_rows is None else max_rows
