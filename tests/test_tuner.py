@@ -52,6 +52,12 @@ def slowed(run, seconds: float = SLOW_S):
     return slow
 
 
+def fake(is_slow: bool):
+    """A candidate that only takes time where it is the slow one: the decision is under test,
+    not the machine (a real step on two threads of a busy machine stalls for tens of ms)."""
+    return slowed(lambda: None) if is_slow else (lambda: None)
+
+
 def test_the_race_times_every_candidate_and_the_slowed_one_loses():
     ms = race({"fast": lambda: None, "slow": slowed(lambda: None)}, repeats=2)
     assert ms["slow"] >= SLOW_S * 1000 > ms["fast"]
@@ -74,9 +80,7 @@ def test_the_threshold_is_where_the_candidates_cross_and_one_noisy_count_does_no
 def test_the_tuner_picks_the_faster_linear(tiny_gpt2_dir, monkeypatch, slow):
     layers = packed_layers(tiny_llm(tiny_gpt2_dir))
     monkeypatch.setattr(tuner, "LINEAR_ROWS", (1, 2, 4))
-    step = tuner._step
-    monkeypatch.setattr(tuner, "_step", lambda layers, rows, max_rows: (
-        slowed(step(layers, rows, max_rows)) if (max_rows == -1) == (slow == "ours") else step(layers, rows, max_rows)))
+    monkeypatch.setattr(tuner, "_step", lambda layers, rows, max_rows: fake((max_rows == -1) == (slow == "ours")))
     measured = [rows for rows in (1, 2, 4) if rows <= own_max_rows(layers[0])]
     tuning = tune(torch.nn.ModuleList(layers), linears=True, threads=None)
     assert tuning.linear_max_rows == (0 if slow == "ours" else measured[-1])
@@ -87,9 +91,7 @@ def test_the_tuner_picks_the_faster_linear(tiny_gpt2_dir, monkeypatch, slow):
 def test_the_tuner_picks_one_thread_where_it_is_not_slower(tiny_gpt2_dir, monkeypatch, restore_torch_threads, slow):
     layers = packed_layers(tiny_llm(tiny_gpt2_dir))
     monkeypatch.setattr(tuner, "THREAD_ROWS", (1, 2))
-    on_threads = tuner._on_threads
-    monkeypatch.setattr(tuner, "_on_threads", lambda step, threads: (
-        slowed(on_threads(step, threads)) if (threads == 1) == (slow == "1 thread") else on_threads(step, threads)))
+    monkeypatch.setattr(tuner, "_on_threads", lambda step, threads: fake((threads == 1) == (slow == "1 thread")))
     tuning = tune(torch.nn.ModuleList(layers), linears=False, threads=2)
     assert tuning.linear_max_rows is None
     assert tuning.one_thread_max_tokens == (0 if slow == "1 thread" else 2)
@@ -151,10 +153,8 @@ def test_the_tuner_picks_the_faster_attention_and_the_graph_is_traced_on_it(tiny
                                                                             slow):
     monkeypatch.setenv(tuning_cache.TUNING_DIR_ENV, str(tmp_path))
     monkeypatch.setattr(tuner, "compile_for", lambda _device, fn, **_: fn)  # the choice is under test, not inductor
-    step = tuner._attention_step
-    monkeypatch.setattr(tuner, "_attention_step", lambda attention, pool, rows: (
-        slowed(step(attention, pool, rows)) if (attention is decode_attention_with_own) == (slow == "torch")
-        else step(attention, pool, rows)))
+    monkeypatch.setattr(tuner, "_attention_step", lambda attention, pool, rows: fake(
+        (attention is decode_attention_with_own) == (slow == "torch")))
     monkeypatch.setattr(DecodeGraph, "warm_up", lambda *_: None)
     llm = LLM(str(tiny_gpt2_dir), weights="pretrained", dtype=DTYPE, device="cpu", compile_decode=True,
               small_batch_linear="native", one_thread_max_tokens=1)  # decode_attention alone is auto
