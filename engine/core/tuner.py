@@ -184,8 +184,8 @@ def _attention_step(attention: Callable[..., torch.Tensor], kv_pool: torch.Tenso
     tie to it (DecodeGraph.warm_up)."""
     num_layers, _, heads, num_blocks, block_size, head_dim = kv_pool.shape
     k_cache, v_cache = kv_pool[0, 0], kv_pool[0, 1]
-    for cache in (k_cache, v_cache):
-        torch._dynamo.mark_static(cache)
+    for pool in (kv_pool, k_cache, v_cache):  # the views' base too: dynamo guards on it
+        torch._dynamo.mark_static(pool)
     width = next(w for w in range(-(-ATTENTION_CONTEXT // block_size), 1 << 20)
                  if w not in (rows, heads, head_dim, block_size))
     tables = (torch.arange(rows * width) % num_blocks).view(rows, width)
