@@ -73,7 +73,7 @@ class Tuning:
                                                           ("one_thread_max_tokens", self.one_thread_max_tokens),
                                                           ("decode_attention", self.decode_attention))
                    if value is not None]
-        logger.info("tuning (%s): %s", source, ", ".join(winners))
+        logger.info("tuning (%s): %s", source, ", ".join(winners) or "nothing decided, the defaults stand")
         for t in self.timings:
             logger.info("tuning: %-22s %3d rows  %-8s %8.3f ms", t.choice, t.rows, t.candidate, t.ms)
 
@@ -155,6 +155,8 @@ def _tune_threads(layers: list[PackedLinear], max_rows: int, threads: int,
 
 
 def _tune_attention(kv_pool: torch.Tensor, deadline: float) -> tuple[str | None, list[Timing], bool]:
+    if time.monotonic() > deadline:
+        return None, [], False  # not even the compile
     compiled = compile_for(kv_pool.device, decode_attention_with_own, dynamic=True)
     started = time.monotonic()
     _attention_step(compiled, kv_pool, ATTENTION_ROWS[0])()  # the compile, outside the budget
