@@ -125,22 +125,27 @@ def _linear_output(x: torch.Tensor, packed_weight: torch.Tensor, weight: torch.T
     return x.new_empty((*x.shape[:-1], out_features))
 
 
-# A linear and what follows it in a GPT-2 block, as one op where the layer is packed: the
-# decode graph cannot see through our op nor the opaque oneDNN one, so the epilogue goes in
-# it, as inductor would have fused it. Elsewhere the plain expressions, unchanged (the
-# reference path's included).
+# A linear and what follows it in a GPT-2 block, as one op where the layer is ours for few
+# rows, or packed in the decode graph: the graph cannot see through our op nor the opaque
+# oneDNN one, so the epilogue goes in it, as inductor would have fused it. Elsewhere the
+# plain expressions, unchanged (the reference path's included): eager, oneDNN's packed
+# product alone is bit-identical to F.linear in bf16, and the epilogues stay so too.
 def linear_gelu(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """gelu(layer(x)), tanh-approximated as GPT-2's."""
-    if isinstance(layer, PackedLinear):
+    if _fuses(layer):
         return layer.with_epilogue(x, "gelu")
     return F.gelu(layer(x), approximate="tanh")
 
 
 def linear_add(layer: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
     """residual + layer(x)."""
-    if isinstance(layer, PackedLinear):
+    if _fuses(layer):
         return layer.with_epilogue(x, "add", residual)
     return residual + layer(x)
+
+
+def _fuses(layer: nn.Module) -> bool:
+    return isinstance(layer, PackedLinear) and (layer.few_rows or torch.compiler.is_compiling())
 
 
 def pack_linears(module: nn.Module, few_rows: bool = False) -> None:
