@@ -67,7 +67,8 @@ class EngineConfig:
     cuda_graphs: bool | Literal["auto"] = "auto"
     # The compiled decode graph's attention. native: our C++ kernel (engine/kernels/native_attention.py,
     # built once per machine for the probed ISA, ~10 s); torch: the same math as a PyTorch
-    # expression inductor compiles; auto: native on CPU where it builds, else torch, logged.
+    # expression inductor compiles; auto: where ours builds, the faster of the two, measured on
+    # this machine before the graph compiles (engine/core/tuner.py; cached), else torch, logged.
     decode_attention: KernelChoice = "auto"
     # Steps of up to this many tokens with prefill chunks among them (new prompts, chunks of
     # long ones, beside decodes) take the compiled graph too, its attention reading each
@@ -87,8 +88,11 @@ class EngineConfig:
     # (engine/kernels/csrc/blocked_linear.cpp); in fp32 on the AVX2 build, the same on fp32 panels
     # (engine/kernels/csrc/blocked_linear_f32.cpp); elsewhere, steps of one to three rows on the plain
     # weights (engine/kernels/csrc/small_linear.cpp; the decode graph pads one row to two). Measured:
-    # BENCHMARKS.md, "Designs shipped": linears. torch: oneDNN's product for every step. auto: ours
-    # on CPU where the linears are packed and they build, else oneDNN's, logged.
+    # BENCHMARKS.md, "Designs shipped": linears. torch: oneDNN's product for every step (an
+    # opaque op in the decode graph: engine/kernels/onednn_linear.py). auto: ours on CPU where
+    # the linears are packed and they build, up to the row count where oneDNN's gets faster,
+    # measured on this machine with the decode graph's compile (engine/core/tuner.py; cached);
+    # until then, and without the graph, up to the kernel's own limit. Else oneDNN's, logged.
     small_batch_linear: KernelChoice = "auto"
     seed: int = 0
     block_size: int = 16
@@ -125,7 +129,9 @@ class EngineConfig:
     # small step's OpenMP barriers more than a second thread speeds it up, in bf16; in fp32,
     # twice the bytes a step, the second thread wins (engine/core/step_threads.py; BENCHMARKS.md,
     # "Designs shipped": one thread for one-token steps).
-    # 0: every step on num_threads; auto: 1 on CPU in bf16, else 0.
+    # 0: every step on num_threads; auto: measured on this machine with the decode graph's
+    # compile (engine/core/tuner.py; cached): the largest step one thread runs at most 30%
+    # slower than num_threads; until then, and without the graph, 1 on CPU in bf16, else 0.
     one_thread_max_tokens: int | Literal["auto"] = "auto"
     # Speculative decoding by prompt lookup (engine/speculative/): {method: ngram,
     # num_speculative_tokens, prompt_lookup_max, prompt_lookup_min, max_step_rows}; a config
@@ -199,7 +205,8 @@ class EngineConfig:
 
     @cached_property
     def one_thread_tokens(self) -> int:
-        """one_thread_max_tokens resolved: 0 off the CPU, where torch's threads don't run steps."""
+        """one_thread_max_tokens resolved before any measurement (the tuner may move auto's):
+        0 off the CPU, where torch's threads don't run steps."""
         if self.torch_device.type != "cpu":
             return 0
         if self.one_thread_max_tokens == "auto":

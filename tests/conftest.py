@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 # The suite keeps both cores busy: two xdist workers, their Ray replicas and the clients of
 # their servers. By default OpenMP's idle threads spin after every parallel region, on a core
@@ -23,6 +24,10 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # a proxy's worker process took longer than that to start (a whole module's setup failed):
 # every Serve instance the suite starts gives its proxies 60 s, the time serve.start waits.
 os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
+# The tuner's tables (engine/core/tuning_cache.py) in a directory of this run's, for it and
+# every process it starts: a test engine tunes on this run's code, never loads a table an
+# older checkout saved, and leaves the user's cache alone.
+os.environ.setdefault("RAYINFER_TUNING_DIR", tempfile.mkdtemp(prefix="rayinfer-tuning-"))
 
 import shutil  # noqa: E402  (below the environment that torch's OpenMP reads)
 from collections.abc import Iterator

@@ -1,17 +1,25 @@
 """Which implementation an engine's hot ops run, as its config asks and this machine allows:
 our C++ kernels (engine/kernels/native.py) or torch's. `auto` takes ours on CPU where they load and
 falls back where they don't (engine/kernels/native.py logs why, once; each op here what it runs
-instead); `native` is an error where they can't run."""
+instead); `native` is an error where they can't run. Where both run, the measured choices
+(apply_measured_choices) then decide how far each is used on this machine."""
 
 from __future__ import annotations
 
 import logging
 
+import torch
+
+import engine.core.tuning_cache as tuning_cache
 import engine.kernels.native as native
 import engine.kernels.native_attention as native_attention
 from engine.model.attention import decode_attention_with_own
 from engine.config import EngineConfig, KernelChoice
-from engine.model.packed_linear import can_pack, load_few_rows
+from engine.core.step_threads import StepThreads
+from engine.core.tuner import Tuning, tune
+from engine.model.decode_graph import DecodeGraph
+from engine.model.gpt2 import GPT2LMHead
+from engine.model.packed_linear import PackedLinear, can_pack, load_few_rows
 from engine.sampling.sampler import Draw
 
 logger = logging.getLogger(__name__)
@@ -56,6 +64,52 @@ def small_batch_linear(config: EngineConfig) -> bool:
         return False
     logger.info("small_batch_linear: small steps on our C++ kernels")
     return True
+
+
+def apply_measured_choices(config: EngineConfig, model: GPT2LMHead, step_threads: StepThreads,
+                           graph: DecodeGraph | None = None, kv_pool: torch.Tensor | None = None) -> Tuning | None:
+    """The `auto` choices the tuner measures (engine/core/tuner.py: small_batch_linear's
+    crossover, one_thread_max_tokens, the decode graph's attention on kv_pool), from its
+    cache or measured now, set on the model's linears, the engine's step threads and the
+    graph (not yet compiled); None where nothing is `auto` here.
+
+    Called before the decode graph is traced, on the thread that compiles it, beside steps
+    that may be running: each value is one attribute the step loop reads whole, and the old
+    value and the new are both correct, the new one faster."""
+    linears = config.small_batch_linear == "auto" and isinstance(model.lm_head, PackedLinear) and model.lm_head.few_rows
+    on_cpu = config.torch_device.type == "cpu"
+    threads = config.cpu_threads if config.one_thread_max_tokens == "auto" and on_cpu else None
+    attention = (config.decode_attention == "auto" and graph is not None and kv_pool is not None
+                 and graph.attention is not decode_attention_with_own)  # where ours built: both run
+    if not linears and threads is None and not attention:
+        return None
+    hf = model.config
+    key = tuning_cache.tuning_key(
+        config.torch_dtype, config.cpu_threads,
+        {"n_layer": hf.n_layer, "n_embd": hf.n_embd, "n_inner": hf.n_inner or 4 * hf.n_embd, "vocab": hf.vocab_size},
+        {"small_batch_linear": linears, "one_thread_max_tokens": threads is not None, "decode_attention": attention,
+         "kv_pool": list(kv_pool.shape) if attention else None})
+    tuning = tuning_cache.load(key)
+    if tuning is None:
+        with torch.no_grad():
+            tuning = tune(model, linears, threads, kv_pool if attention else None)
+        where = f"saved to {tuning_cache.save(key, tuning)}" if tuning.complete else "over its time budget, not cached"
+        tuning.log(f"measured, {where}")
+    else:
+        tuning.log("loaded from the cache")
+    _apply(tuning, model, step_threads, graph)
+    return tuning
+
+
+def _apply(tuning: Tuning, model: GPT2LMHead, step_threads: StepThreads, graph: DecodeGraph | None) -> None:
+    if tuning.decode_attention == "torch" and graph is not None:
+        graph.use_attention(decode_attention_with_own)
+    if tuning.linear_max_rows is not None:
+        for layer in model.modules():
+            if isinstance(layer, PackedLinear):
+                layer.max_rows = tuning.linear_max_rows
+    if tuning.one_thread_max_tokens is not None:
+        step_threads.one_thread_max_tokens = tuning.one_thread_max_tokens
 
 
 def _wants_native(option: str, choice: KernelChoice, fits: bool, why_not: str) -> bool:

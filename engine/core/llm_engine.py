@@ -17,7 +17,7 @@ from engine.model.cuda_graphs import CudaGraphDecode
 from engine.model.decode_graph import DecodeGraph
 from engine.model.graph_compile import BackgroundCompile
 from engine.core.heap import limit_onednn_caches
-from engine.core.kernel_choice import decode_attention, sampler_draw, small_batch_linear
+from engine.core.kernel_choice import apply_measured_choices, decode_attention, sampler_draw, small_batch_linear
 from engine.model.loader import ModelSource, load_state_dict, resolve_model
 from engine.request.token_logprob import TokenLogprob
 from engine.core.model_runner import ModelOutput, ModelRunner
@@ -304,16 +304,25 @@ class LLMEngine:
         if not isinstance(graph, DecodeGraph):
             return None
         self.runner.decode_graph, self.runner.sampler = None, self._eager(sampler)
-        return BackgroundCompile(functools.partial(self._warm_up, graph, sampler), self.config.cpu_threads,
-                                 "the decode graph", on_compiled)
+        return BackgroundCompile(functools.partial(self._tune_and_warm_up, graph, sampler), self.config.cpu_threads,
+                                 "the tuner and the decode graph", on_compiled)
 
     def _ready(self, graph: DecodeGraph | CudaGraphDecode | None) -> tuple[DecodeGraph | CudaGraphDecode | None, Sampler]:
         """The decode graph compiled (or captured) now, not inside the first requests, and the
         sampler to run beside it; None where that fails and decode steps run eagerly."""
         if isinstance(graph, DecodeGraph):
-            with progress("compiling the decode graph"):
-                return self._warm_up(graph, self.runner.sampler)
+            with progress("tuning and compiling the decode graph"):
+                return self._tune_and_warm_up(graph, self.runner.sampler)
         return None if graph is None else self._capture(graph), self.runner.sampler
+
+    def _tune_and_warm_up(self, graph: DecodeGraph, sampler: Sampler) -> tuple[DecodeGraph | None, Sampler]:
+        """The measured choices first (engine/core/tuner.py), so that the graph is traced on
+        them; where tuning fails, the defaults stand (logged) and the graph compiles on them."""
+        try:
+            apply_measured_choices(self.config, self.runner.model, self.step_threads, graph, self.runner.kv_pool)
+        except Exception as exc:  # noqa: BLE001 - a slower default is still a correct one
+            logger.warning("tuning failed (%r); the hot path's auto choices keep their defaults", exc)
+        return self._warm_up(graph, sampler)
 
     def _warm_up(self, graph: DecodeGraph, sampler: Sampler) -> tuple[DecodeGraph | None, Sampler]:
         """The graph and the sampler's draw compiled now, not inside the first requests, once
@@ -380,7 +389,7 @@ def _default_kv_budget(device: torch.device) -> float:
 
 
 def _small_steps(model: GPT2LMHead) -> str:
-    return ", ours for 1 to 64 rows (bf16 panels)" if model.lm_head.weight.dim() == 4 else ", ours for 1 to 3 rows"
+    return (", ours for up to 64 rows (bf16 panels)" if model.lm_head.weight.dim() == 4 else ", ours for up to 3 rows")
 
 
 def build_model(source: ModelSource, dtype: torch.dtype, device: torch.device, seed: int,

@@ -7,8 +7,10 @@ row is a few milliseconds of bandwidth-bound work on small matrices; split over 
 OpenMP threads, every barrier in it waits whenever the other processes preempt one of
 them, and the threads' spinning between steps takes the core those processes need. Over
 HTTP one thread wins for a bf16 stream alone, though it is slower offline; in fp32 the
-second thread is worth more (BENCHMARKS.md, "Designs shipped": one thread for one-token steps;
-`auto`, the default everywhere, the offline `LLM` included). 0 keeps every step on every thread.
+second thread is worth more (BENCHMARKS.md, "Designs shipped": one thread for one-token steps).
+`auto`, the default everywhere, the offline `LLM` included, is measured on the machine
+(engine/core/tuner.py), which sets one_thread_max_tokens here once it has. 0 keeps every
+step on every thread.
 
 The count is per OS thread (OpenMP's nthreads ICV, which torch.set_num_threads sets for
 the calling thread): the step loop's, or a caller's. It is read back before each set rather

@@ -19,6 +19,8 @@ import contextlib
 import fcntl
 import functools
 import logging
+import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -91,8 +93,8 @@ def build_just_in_time(isa: str) -> None:
 
     name, build_dir = _name(isa), build_directory(isa)
     with _build_lock(build_dir):
-        cpp_extension.load(name=name, sources=_sources_in(build_dir),
-                           extra_cflags=kernel_sources.cflags(isa), is_python_module=False)
+        cpp_extension.load(name=name, sources=_sources_in(build_dir), extra_cflags=kernel_sources.cflags(isa),
+                           build_directory=str(build_dir), is_python_module=False)
 
 
 def _name(isa: str) -> str:
@@ -100,10 +102,18 @@ def _name(isa: str) -> str:
 
 
 def build_directory(isa: str) -> Path:
-    """Where the kernels for `isa` are built and cached (made if missing)."""
+    """Where the kernels for `isa` are built and cached (made if missing): where torch builds
+    a CPU extension by default (TORCH_EXTENSIONS_DIR, else its cache root and a folder for this
+    Python), named here through public API rather than torch's private helper."""
     from torch.utils import cpp_extension
 
-    return Path(cpp_extension._get_build_directory(_name(isa), verbose=False))
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root is None:
+        python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+        root = os.path.join(cpp_extension.get_default_build_root(), f"{python}_cpu")
+    directory = Path(root) / _name(isa)
+    directory.mkdir(parents=True, exist_ok=True)
+    return directory
 
 
 def _sources_in(build_dir: Path) -> list[str]:

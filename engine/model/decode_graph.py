@@ -83,14 +83,21 @@ def decode_step(model: GPT2LMHead, attention: DecodeAttention, argmax: bool, inp
 class DecodeGraph:
     def __init__(self, model: GPT2LMHead, device: torch.device, attention: DecodeAttention,
                  argmax_in_graph: bool = True):
+        self._model, self._device, self._argmax = model, device, argmax_in_graph
+        self.use_attention(attention)
+        self.num_steps = 0  # steps run through the graph
+
+    def use_attention(self, attention: DecodeAttention) -> None:
+        """The graph's attention (the tuner may change it); before warm_up only, as the graph
+        is traced at its first call."""
         self.attention = attention
         self.native_write = attention is not decode_attention_with_own  # our kernels are built: write with ours too
-        step = functools.partial(decode_step, model, attention, argmax_in_graph)
+        step = functools.partial(decode_step, self._model, attention, self._argmax)
         # On CPU the kernels are called from C++, not Python
         # (BENCHMARKS.md, "Designs shipped": around the decode graph).
-        freezing = any(isinstance(module, nn.Linear) for module in model.modules())  # inductor packs only constants
-        self._compiled = compile_for(device, step, dynamic=True, freezing=freezing, cpp_wrapper=device.type == "cpu")
-        self.num_steps = 0  # steps run through the graph
+        freezing = any(isinstance(module, nn.Linear) for module in self._model.modules())  # inductor packs only constants
+        self._compiled = compile_for(self._device, step, dynamic=True, freezing=freezing,
+                                     cpp_wrapper=self._device.type == "cpu")
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_pool: torch.Tensor,
                  block_tables: torch.Tensor, slot_mapping: torch.Tensor, first_rows: torch.Tensor,

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import engine.kernels.native as native
+import engine.kernels.onednn_linear as onednn
 from engine.kernels.cpu import cpu_features
 
 
@@ -36,7 +37,10 @@ class PackedLinear(nn.Module):
     AVX-512 BF16, the weight in panels (`panels`) and steps of 1 to 64 rows on
     engine/kernels/csrc/blocked_linear.cpp; in fp32 on AVX2, the same on
     engine/kernels/csrc/blocked_linear_f32.cpp; elsewhere, the plain weight and steps of
-    one to three rows (BENCHMARKS.md, "Designs shipped": linears).
+    one to three rows (BENCHMARKS.md, "Designs shipped": linears). `max_rows` caps the rows
+    our op takes (more go to oneDNN's): -1, the kernel's own limit, until the tuner
+    (engine/core/tuner.py) has measured where the two cross on this CPU; 0, oneDNN's always.
+    Without `few_rows` every step runs oneDNN's product (engine/kernels/onednn_linear.py).
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, few_rows: bool = False):
@@ -49,15 +53,18 @@ class PackedLinear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach(), persistent=False)
         own = (panels(weight) if in_panels(weight) else weight.detach().contiguous()) if few_rows else None
         self.register_buffer("weight", own, persistent=False)
+        self.max_rows = -1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.few_rows:
-            return self.with_epilogue(x, "none")
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+        return self.with_epilogue(x, "none")
 
     def with_epilogue(self, x: torch.Tensor, epilogue: str, other: torch.Tensor | None = None) -> torch.Tensor:
-        """Our op (few_rows only): epilogue(x @ weight.T + bias), "none", "gelu" or "add" of other."""
-        return torch.ops.rayinfer.linear(x, self.packed_weight, self.weight, self.bias, epilogue, other)
+        """epilogue(x @ weight.T + bias), "none", "gelu" or "add" of other: on our op up to
+        max_rows rows where few_rows, else on oneDNN's."""
+        if self.few_rows:
+            return torch.ops.rayinfer.linear(x, self.packed_weight, self.weight, self.bias, epilogue, other,
+                                             self.max_rows)
+        return onednn.linear(x, self.packed_weight, self.bias, epilogue, other)
 
     @property
     def few_rows(self) -> bool:
@@ -65,6 +72,16 @@ class PackedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def own_max_rows(layer: PackedLinear) -> int:
+    """The most rows our op takes on this layer's weight unless max_rows lowers it: the limits
+    engine/kernels/csrc/small_linear.cpp holds (kMaxBlockedRows on panels, plain_rows else)."""
+    if layer.weight is None:
+        return 0
+    if layer.weight.dim() > 2:
+        return 64
+    return 2 if layer.weight.dtype == torch.float32 and native.isa_build() == "avx512" else 3
 
 
 PANEL = 32  # bf16 output features a panel: engine/kernels/csrc/blocked_linear.cpp's kPanel
@@ -103,26 +120,32 @@ def load_few_rows() -> None:
 
 
 def _linear_output(x: torch.Tensor, packed_weight: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                   epilogue: str = "none", other: torch.Tensor | None = None) -> torch.Tensor:
+                   epilogue: str = "none", other: torch.Tensor | None = None, max_rows: int = -1) -> torch.Tensor:
     out_features = weight.shape[0] if weight.dim() == 2 else packed_weight.shape[0]  # panels pad to 32
     return x.new_empty((*x.shape[:-1], out_features))
 
 
 # A linear and what follows it in a GPT-2 block, as one op where the layer is ours for few
-# rows: inductor fuses the same into oneDNN's linears in the decode graph, but cannot see
-# through our op. Elsewhere the plain expressions, unchanged (the reference path's included).
+# rows, or packed in the decode graph: the graph cannot see through our op nor the opaque
+# oneDNN one, so the epilogue goes in it, as inductor would have fused it. Elsewhere the
+# plain expressions, unchanged (the reference path's included): eager, oneDNN's packed
+# product alone is bit-identical to F.linear in bf16, and the epilogues stay so too.
 def linear_gelu(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """gelu(layer(x)), tanh-approximated as GPT-2's."""
-    if isinstance(layer, PackedLinear) and layer.few_rows:
+    if _fuses(layer):
         return layer.with_epilogue(x, "gelu")
     return F.gelu(layer(x), approximate="tanh")
 
 
 def linear_add(layer: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
     """residual + layer(x)."""
-    if isinstance(layer, PackedLinear) and layer.few_rows:
+    if _fuses(layer):
         return layer.with_epilogue(x, "add", residual)
     return residual + layer(x)
+
+
+def _fuses(layer: nn.Module) -> bool:
+    return isinstance(layer, PackedLinear) and (layer.few_rows or torch.compiler.is_compiling())
 
 
 def pack_linears(module: nn.Module, few_rows: bool = False) -> None:

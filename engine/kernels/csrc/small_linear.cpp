@@ -110,7 +110,7 @@ using Binary = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor
 // The most rows our kernel takes: past them oneDNN's product is as fast or faster, by
 // measurement (BENCHMARKS.md, "Designs shipped": linears); for fp32 on AVX-512 that is from three
 // rows on.
-int64_t max_rows(at::ScalarType dtype) {
+int64_t plain_rows(at::ScalarType dtype) {
 #if defined(CPU_CAPABILITY_AVX512)
   if (dtype == at::kFloat) return 2;
 #endif
@@ -134,6 +134,9 @@ int epilogue_kind(c10::string_view epilogue) {
   return epilogue == "gelu" ? Epilogue::kGelu : epilogue == "add" ? Epilogue::kAdd : Epilogue::kNone;
 }
 
+// The rows our kernel takes: its own limit, lowered by the caller's max_rows (-1: not lowered).
+int64_t rows_limit(int64_t own, int64_t asked) { return asked < 0 ? own : std::min(own, asked); }
+
 template <typename T>
 using PanelKernel = at::Tensor (*)(const at::Tensor&, const at::Tensor&, int64_t, const T*, int, const T*);
 
@@ -142,12 +145,12 @@ using PanelKernel = at::Tensor (*)(const at::Tensor&, const at::Tensor&, int64_t
 template <typename T>
 at::Tensor on_panels(const at::Tensor& x, const at::Tensor& packed_weight, const at::Tensor& panels, int64_t K,
                      const std::optional<at::Tensor>& bias, c10::string_view epilogue,
-                     const std::optional<at::Tensor>& other, PanelKernel<T> kernel) {
+                     const std::optional<at::Tensor>& other, PanelKernel<T> kernel, int64_t max_rows) {
   const int64_t N = packed_weight.size(0);
   const auto dtype = c10::CppTypeToScalarType<T>::value;
   check_dtype(panels, dtype, "linear", "weight in panels");
   TORCH_CHECK(panels.is_contiguous(), "linear: the weight's panels must be contiguous");
-  const bool ours = x.numel() > 0 && x.numel() <= rayinfer::kMaxBlockedRows * K;
+  const bool ours = x.numel() > 0 && x.numel() <= rows_limit(rayinfer::kMaxBlockedRows, max_rows) * K;
   if (!ours) return onednn(x, packed_weight, bias, epilogue, other);
   return kernel(x.contiguous(), panels, N, bias ? bias->const_data_ptr<T>() : nullptr, epilogue_kind(epilogue),
                 other ? other->const_data_ptr<T>() : nullptr);
@@ -189,7 +192,7 @@ std::optional<at::Tensor> dense(const std::optional<at::Tensor>& t) {
 // Every path takes bias and other dense: oneDNN's linear reads them so whatever their strides.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed_weight, const at::Tensor& weight,
                   const std::optional<at::Tensor>& strided_bias, c10::string_view epilogue,
-                  const std::optional<at::Tensor>& strided_other) {
+                  const std::optional<at::Tensor>& strided_other, int64_t max_rows) {
   TORCH_CHECK(epilogue == "none" || epilogue == "gelu" || epilogue == "add", "linear: unknown epilogue ", epilogue);
   TORCH_CHECK((epilogue == "add") == (strided_other.has_value() && strided_other->defined()),
               "linear: `other` goes with \"add\" alone");
@@ -197,11 +200,12 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed_weight, const at
   const std::optional<at::Tensor> bias = dense(strided_bias), other = dense(strided_other);
   if (weight.dim() == 4)
     return on_panels<at::BFloat16>(x, packed_weight, weight, 2 * weight.size(1), bias, epilogue, other,
-                                   rayinfer::blocked_linear);
+                                   rayinfer::blocked_linear, max_rows);
   if (weight.dim() == 3)
-    return on_panels<float>(x, packed_weight, weight, weight.size(1), bias, epilogue, other, rayinfer::blocked_linear_f32);
+    return on_panels<float>(x, packed_weight, weight, weight.size(1), bias, epilogue, other, rayinfer::blocked_linear_f32,
+                            max_rows);
   const int64_t K = weight.size(1);
-  const bool few = x.numel() <= max_rows(x.scalar_type()) * K && x.numel() > 0;
+  const bool few = x.numel() <= rows_limit(plain_rows(x.scalar_type()), max_rows) * K && x.numel() > 0;
   const bool ours = x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat;
   if (!few || !ours || !x.is_contiguous() || !weight.is_contiguous()) return onednn(x, packed_weight, bias, epilogue, other);
   Epilogue e{Epilogue::Kind(epilogue_kind(epilogue)), other ? other->data_ptr() : nullptr};
@@ -214,7 +218,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed_weight, const at
 
 TORCH_LIBRARY_FRAGMENT(rayinfer, m) {
   m.def("linear(Tensor x, Tensor packed_weight, Tensor weight, Tensor? bias, str epilogue=\"none\", "
-        "Tensor? other=None) -> Tensor");
+        "Tensor? other=None, int max_rows=-1) -> Tensor");
 }
 
 // fp32 weights pack into an MKLDNN-layout tensor, which dispatches on its own key.

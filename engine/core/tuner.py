@@ -1,0 +1,233 @@
+"""The hot path's `auto` choices, measured on this machine rather than guessed from its ISA
+flags: each candidate timed on the model's own layers, at the step sizes the engine runs.
+
+What it decides (each only where its option is `auto`):
+- small_batch_linear: up to how many rows a step's linears run on our kernel, oneDNN's
+  product past them (PackedLinear.max_rows). Both are timed on every linear of the model,
+  in step order (so the weights stream from memory as in a step), at 1 to 64 rows. Where
+  oneDNN runs on AMX tiles its product wins from a few rows on, where it does not ours may
+  win at every count it takes: the measurement finds either, with no ISA flag read.
+- decode_attention: our kernel or the expression inductor compiles, one for the graph:
+  both timed on the engine's KV pool at a few decode batches (the expression compiled
+  alone first, outside the time budget).
+- one_thread_max_tokens: the largest step (in rows) that runs on one torch thread. Measured
+  offline, a second thread almost always helps; in a server the engine's cores are shared
+  with the path to the client, whose preemptions stall a small step's barriers
+  (engine/core/step_threads.py). So one thread is chosen where it costs at most
+  SHARED_CORES_MARGIN over all threads: there a second thread buys less than it risks.
+
+It runs with the decode graph's compile, on its thread (off the serving path: steps run on
+the defaults meanwhile), before the graph is traced, so the graph holds the measured
+limits; the table is cached on disk (engine/core/tuning_cache.py), so a later start with
+the same key loads it in milliseconds.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+import engine.kernels.onednn_linear as onednn
+from engine.kernels.inductor import compile_for
+from engine.model.attention import decode_attention_with_own
+from engine.model.packed_linear import PackedLinear, own_max_rows
+
+logger = logging.getLogger(__name__)
+
+LINEAR_ROWS = (1, 2, 4, 8, 16, 32, 64)  # a stream's decode (padded to 2 by the graph) to a batch of 64
+THREAD_ROWS = (1, 2, 4, 8)
+ATTENTION_ROWS = (2, 8, 32)  # decodes a step; 2, not 1: the graph pads one row to two
+ATTENTION_CONTEXT = 200  # cached tokens each row attends to
+SHARED_CORES_MARGIN = 1.3
+REPEATS = 3
+# Past it the tuner stops: a machine busy enough to stretch a few seconds' measuring this far
+# gives timings that mean little. What it measured by then is used, not cached.
+BUDGET_S = 20.0
+
+
+@dataclass(frozen=True)
+class Timing:
+    choice: str  # the option it decides: small_batch_linear, one_thread_max_tokens, decode_attention
+    rows: int
+    candidate: str
+    ms: float  # the best of REPEATS
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """The measured choices (None: not tuned, the option's value or default stands) and the
+    table they came from."""
+    linear_max_rows: int | None = None
+    one_thread_max_tokens: int | None = None
+    decode_attention: str | None = None  # "ours" or "torch"
+    timings: tuple[Timing, ...] = ()
+    complete: bool = True  # every candidate measured within BUDGET_S
+
+    def log(self, source: str) -> None:
+        """The table, each candidate's time a line, and the winners, once per engine."""
+        winners = [f"{name} {value}" for name, value in (("small_batch_linear: ours up to rows", self.linear_max_rows),
+                                                          ("one_thread_max_tokens", self.one_thread_max_tokens),
+                                                          ("decode_attention", self.decode_attention))
+                   if value is not None]
+        logger.info("tuning (%s): %s", source, ", ".join(winners) or "nothing decided, the defaults stand")
+        for t in self.timings:
+            logger.info("tuning: %-22s %3d rows  %-8s %8.3f ms", t.choice, t.rows, t.candidate, t.ms)
+
+
+def race(candidates: dict[str, Callable[[], object]], repeats: int = REPEATS) -> dict[str, float]:
+    """Each candidate's best time in ms, the candidates interleaved (one call of each per
+    round, after a warm-up round) so that a machine's drift falls on all of them alike. The
+    best, not the median: the tuner runs beside a serving engine and other processes, whose
+    preemptions only ever add time, and in bursts longer than a call."""
+    times: dict[str, list[float]] = {name: [] for name in candidates}
+    for round_ in range(repeats + 1):
+        for name, run in candidates.items():
+            start = time.perf_counter()
+            run()
+            if round_:
+                times[name].append((time.perf_counter() - start) * 1000)
+    return {name: min(ms) for name, ms in times.items()}
+
+
+def threshold(times: Sequence[tuple[int, float, float]]) -> int:
+    """(rows, below's ms, above's ms) for ascending row counts -> the row count up to which
+    `below` runs and past which `above` does (0: above always), the one whose choices cost
+    least, each row count's cost its time over the faster candidate's there: every count
+    weighs alike, and one noisy count among many does not move the threshold far."""
+    def cost(limit: int) -> float:
+        return sum((below if rows <= limit else above) / min(below, above) for rows, below, above in times)
+    return min((0, *(rows for rows, _, _ in times)), key=cost)
+
+
+def tune(model: torch.nn.Module, linears: bool, threads: int | None, kv_pool: torch.Tensor | None = None,
+         budget_s: float | None = None) -> Tuning:
+    """Measure what is asked: linears (the crossover of our kernel and oneDNN's), threads
+    (the engine's thread count, to race one thread against), kv_pool (the engine's: our
+    attention against inductor's). Call under no grad."""
+    layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    deadline = time.monotonic() + (BUDGET_S if budget_s is None else budget_s)
+    timings: list[Timing] = []
+    max_rows = one_thread = None
+    complete = True
+    if linears and layers and layers[0].few_rows:
+        max_rows, found, done = _tune_linears(layers, deadline)
+        timings, complete = timings + found, complete and done
+    if threads is not None and threads > 1 and layers:
+        one_thread, found, done = _tune_threads(layers, -1 if max_rows is None else max_rows, threads, deadline)
+        timings, complete = timings + found, complete and done
+    attention = None
+    if kv_pool is not None:
+        attention, found, done = _tune_attention(kv_pool, deadline)
+        timings, complete = timings + found, complete and done
+    return Tuning(max_rows, one_thread, attention, tuple(timings), complete)
+
+
+def _tune_linears(layers: list[PackedLinear], deadline: float) -> tuple[int | None, list[Timing], bool]:
+    timings, times = [], []
+    for rows in (r for r in LINEAR_ROWS if r <= own_max_rows(layers[0])):
+        if time.monotonic() > deadline:
+            return _limit(times, complete=False), timings, False
+        ms = race({"ours": _step(layers, rows, -1), "oneDNN": _step(layers, rows, 0)})
+        timings += [Timing("small_batch_linear", rows, name, t) for name, t in ms.items()]
+        times.append((rows, ms["ours"], ms["oneDNN"]))
+    return _limit(times, complete=True), timings, True
+
+
+def _tune_threads(layers: list[PackedLinear], max_rows: int, threads: int,
+                  deadline: float) -> tuple[int | None, list[Timing], bool]:
+    timings, times = [], []
+    before = torch.get_num_threads()
+    try:
+        for rows in THREAD_ROWS:
+            if time.monotonic() > deadline:
+                return _limit(times, complete=False), timings, False
+            step = _step(layers, rows, max_rows)
+            ms = race({"1 thread": _on_threads(step, 1), f"{threads} threads": _on_threads(step, threads)})
+            timings += [Timing("one_thread_max_tokens", rows, name, t) for name, t in ms.items()]
+            times.append((rows, ms["1 thread"] / SHARED_CORES_MARGIN, ms[f"{threads} threads"]))
+    finally:
+        torch.set_num_threads(before)
+    return _limit(times, complete=True), timings, True
+
+
+def _tune_attention(kv_pool: torch.Tensor, deadline: float) -> tuple[str | None, list[Timing], bool]:
+    if time.monotonic() > deadline:
+        return None, [], False  # not even the compile
+    compiled = compile_for(kv_pool.device, decode_attention_with_own, dynamic=True)
+    started = time.monotonic()
+    _attention_step(compiled, kv_pool, ATTENTION_ROWS[0])()  # the compile, outside the budget
+    deadline += time.monotonic() - started
+    timings, times = [], []
+    for rows in ATTENTION_ROWS:
+        if time.monotonic() > deadline:
+            return None, timings, False
+        ms = race({"ours": _attention_step(torch.ops.rayinfer.decode_attention, kv_pool, rows),
+                   "torch": _attention_step(compiled, kv_pool, rows)})
+        timings += [Timing("decode_attention", rows, name, t) for name, t in ms.items()]
+        times.append((rows, ms["ours"], ms["torch"]))
+    return ("ours" if cheaper(times) else "torch"), timings, True
+
+
+def cheaper(times: Sequence[tuple[int, float, float]]) -> bool:
+    """Whether the first candidate of (rows, first's ms, second's ms) costs no more than the
+    second over every count, each count weighing alike (threshold's cost)."""
+    return sum(a / min(a, b) for _, a, b in times) <= sum(b / min(a, b) for _, a, b in times)
+
+
+def _attention_step(attention: Callable[..., torch.Tensor], kv_pool: torch.Tensor, rows: int) -> Callable[[], None]:
+    """A decode step's attention, every layer's, at `rows` rows of ATTENTION_CONTEXT cached
+    tokens each. One layer's pools serve every layer's call: the layers' views differ in
+    offset, which a compiled expression would be compiled again for; they are static, as in
+    the graph, and the block table's width is none of the other sizes, which dynamo would
+    tie to it (DecodeGraph.warm_up)."""
+    num_layers, _, heads, num_blocks, block_size, head_dim = kv_pool.shape
+    k_cache, v_cache = kv_pool[0, 0], kv_pool[0, 1]
+    for pool in (kv_pool, k_cache, v_cache):  # the views' base too: dynamo guards on it
+        torch._dynamo.mark_static(pool)
+    width = next(w for w in range(-(-ATTENTION_CONTEXT // block_size), 1 << 20)
+                 if w not in (rows, heads, head_dim, block_size))
+    tables = (torch.arange(rows * width) % num_blocks).view(rows, width)
+    context = torch.full((rows,), min(ATTENTION_CONTEXT, width * block_size), dtype=torch.int64)
+    q, k, v = (torch.randn(rows, heads, head_dim).to(kv_pool.dtype) for _ in range(3))
+
+    def run() -> None:
+        with torch.inference_mode():
+            for _ in range(num_layers):
+                attention(q, k, v, k_cache, v_cache, tables, context)
+    return run
+
+
+def _limit(times: list[tuple[int, float, float]], complete: bool) -> int | None:
+    """threshold(times); None (the default stands) where the measuring stopped early and the
+    threshold is its last count: past it nothing is known."""
+    if not times:
+        return None
+    limit = threshold(times)
+    return None if not complete and limit == times[-1][0] else limit
+
+
+def _step(layers: list[PackedLinear], rows: int, max_rows: int) -> Callable[[], None]:
+    """A step's linears at `rows` rows, ours up to max_rows (-1: the kernel's limit; 0: none)."""
+    dtype = layers[0].packed_weight.dtype
+    inputs = {n: torch.randn(rows, n).to(dtype) for n in {layer.in_features for layer in layers}}
+
+    def run() -> None:
+        for layer in layers:
+            x = inputs[layer.in_features]
+            if layer.few_rows:
+                torch.ops.rayinfer.linear(x, layer.packed_weight, layer.weight, layer.bias, "none", None, max_rows)
+            else:
+                onednn.linear(x, layer.packed_weight, layer.bias)
+    return run
+
+
+def _on_threads(step: Callable[[], None], threads: int) -> Callable[[], None]:
+    def run() -> None:
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+        step()
+    return run

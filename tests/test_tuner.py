@@ -1,0 +1,189 @@
+"""The hot path's `auto` choices are measured (engine/core/tuner.py): the faster candidate wins
+(linears, threads, attention), with slowness injected into the other (50 ms a call, far past
+any machine's noise); the table is cached on disk under a key of what decides it
+(engine/core/tuning_cache.py), loaded by a later start and measured again when the key
+changes; the engine sets the measured choices before its decode graph is traced; and every
+linear the tuner may pick computes what the reference path computes, at GPT-2-small's size,
+teacher-forced."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import engine.core.kernel_choice as kernel_choice
+import engine.core.tuner as tuner
+import engine.core.tuning_cache as tuning_cache
+from engine import LLM
+from engine.core.kernel_choice import apply_measured_choices
+from engine.core.tuner import Tuning, cheaper, race, threshold, tune
+from engine.model.attention import decode_attention_with_own
+from engine.model.decode_graph import DecodeGraph
+from engine.model.packed_linear import PackedLinear, can_pack, own_max_rows
+from tests.engine_helpers import mixed_prompts, write_peaked_gpt2_small
+from tests.test_decode_graph import assert_fast_scores_close
+
+# bf16 where oneDNN runs it; fp32 on an AVX2-only CPU (or one capped to it)
+DTYPE = "bfloat16" if can_pack(torch.device("cpu"), torch.bfloat16) else "float32"
+ATOL = {"bfloat16": 0.15, "float32": 1e-3}[DTYPE]  # test_decode_graph's, eager against eager
+SLOW_S = 0.05
+NUM_KV_BLOCKS = 64  # GPT-2-small's engines: the prompts need ~16 blocks; the default is ~2 GB each
+
+pytestmark = pytest.mark.skipif(not can_pack(torch.device("cpu"), torch.float32),
+                                reason="needs oneDNN's linear ops on x86-64")
+
+
+def tiny_llm(model_dir: Path, **options) -> LLM:
+    return LLM(str(model_dir), weights="pretrained", dtype=DTYPE, device="cpu", compile_decode=False, **options)
+
+
+def packed_layers(llm: LLM) -> list[PackedLinear]:
+    return [m for m in llm.engine.runner.model.modules() if isinstance(m, PackedLinear)]
+
+
+def slowed(run, seconds: float = SLOW_S):
+    def slow() -> None:
+        time.sleep(seconds)
+        run()
+    return slow
+
+
+def fake(is_slow: bool):
+    """A candidate that only takes time where it is the slow one: the decision is under test,
+    not the machine (a real step on two threads of a busy machine stalls for tens of ms)."""
+    return slowed(lambda: None) if is_slow else (lambda: None)
+
+
+def test_the_race_times_every_candidate_and_the_slowed_one_loses():
+    ms = race({"fast": lambda: None, "slow": slowed(lambda: None)}, repeats=2)
+    assert ms["slow"] >= SLOW_S * 1000 > ms["fast"]
+
+
+def test_one_attention_for_every_count_is_the_one_that_costs_less_over_all_counts():
+    assert cheaper([(2, 1.0, 2.0), (8, 1.0, 2.0), (32, 1.5, 1.0)])
+    assert not cheaper([(2, 1.0, 1.1), (8, 2.0, 1.0), (32, 3.0, 1.0)])
+
+
+def test_the_threshold_is_where_the_candidates_cross_and_one_noisy_count_does_not_move_it():
+    ours_then_theirs = [(1, 1.0, 2.0), (2, 1.0, 2.0), (4, 3.0, 1.0), (8, 3.0, 1.0)]  # (rows, below, above)
+    assert threshold(ours_then_theirs) == 2
+    assert threshold([(1, 3.0, 1.0), (2, 3.0, 1.0)]) == 0
+    assert threshold([(1, 1.0, 2.0), (2, 1.0, 2.0)]) == 2
+    assert threshold([(1, 1.0, 2.0), (2, 1.0, 2.0), (4, 1.2, 1.0), (8, 1.0, 2.0), (16, 1.0, 2.0)]) == 16
+
+
+@pytest.mark.parametrize("slow", ["ours", "oneDNN"])
+def test_the_tuner_picks_the_faster_linear(tiny_gpt2_dir, monkeypatch, slow):
+    layers = packed_layers(tiny_llm(tiny_gpt2_dir))
+    monkeypatch.setattr(tuner, "LINEAR_ROWS", (1, 2, 4))
+    monkeypatch.setattr(tuner, "_step", lambda layers, rows, max_rows: fake((max_rows == -1) == (slow == "ours")))
+    measured = [rows for rows in (1, 2, 4) if rows <= own_max_rows(layers[0])]
+    tuning = tune(torch.nn.ModuleList(layers), linears=True, threads=None)
+    assert tuning.linear_max_rows == (0 if slow == "ours" else measured[-1])
+    assert {(t.rows, t.candidate) for t in tuning.timings} == {(r, c) for r in measured for c in ("ours", "oneDNN")}
+
+
+@pytest.mark.parametrize("slow", ["1 thread", "2 threads"])
+def test_the_tuner_picks_one_thread_where_it_is_not_slower(tiny_gpt2_dir, monkeypatch, restore_torch_threads, slow):
+    layers = packed_layers(tiny_llm(tiny_gpt2_dir))
+    monkeypatch.setattr(tuner, "THREAD_ROWS", (1, 2))
+    monkeypatch.setattr(tuner, "_on_threads", lambda step, threads: fake((threads == 1) == (slow == "1 thread")))
+    tuning = tune(torch.nn.ModuleList(layers), linears=False, threads=2)
+    assert tuning.linear_max_rows is None
+    assert tuning.one_thread_max_tokens == (0 if slow == "1 thread" else 2)
+
+
+def test_a_later_start_loads_the_table_and_a_changed_key_tunes_again(tiny_gpt2_dir, tmp_path, monkeypatch,
+                                                                     restore_torch_threads):
+    monkeypatch.setenv(tuning_cache.TUNING_DIR_ENV, str(tmp_path))
+    calls = []
+    monkeypatch.setattr(kernel_choice, "tune", lambda *args: calls.append(args) or tune(*args))
+    llm = tiny_llm(tiny_gpt2_dir, num_threads=2)
+    engine = llm.engine
+    first = apply_measured_choices(engine.config, engine.runner.model, engine.step_threads)
+    assert len(calls) == 1 and len(list(tmp_path.glob("*.json"))) == 1
+    assert {layer.max_rows for layer in packed_layers(llm)} == {first.linear_max_rows}
+    assert engine.step_threads.one_thread_max_tokens == first.one_thread_max_tokens
+    assert apply_measured_choices(engine.config, engine.runner.model, engine.step_threads) == first
+    assert len(calls) == 1  # loaded, not measured
+    monkeypatch.setattr(tuning_cache.kernel_sources, "library_stem", lambda *_: "_kernels_of_edited_sources")
+    apply_measured_choices(engine.config, engine.runner.model, engine.step_threads)
+    assert len(calls) == 2
+    one_core = dataclasses.replace(engine.config, num_threads=1)
+    apply_measured_choices(one_core, engine.runner.model, engine.step_threads)
+    assert len(calls) == 3 and len(list(tmp_path.glob("*.json"))) == 3
+
+
+def test_a_tuner_past_its_budget_keeps_the_defaults_and_caches_nothing(tiny_gpt2_dir, tmp_path, monkeypatch,
+                                                                      restore_torch_threads):
+    monkeypatch.setenv(tuning_cache.TUNING_DIR_ENV, str(tmp_path))
+    monkeypatch.setattr(tuner, "BUDGET_S", 0.0)
+    llm = tiny_llm(tiny_gpt2_dir, num_threads=2)
+    engine = llm.engine
+    assert apply_measured_choices(engine.config, engine.runner.model, engine.step_threads) == Tuning(complete=False)
+    assert {layer.max_rows for layer in packed_layers(llm)} == {-1} and not list(tmp_path.iterdir())
+
+
+def test_options_set_by_hand_are_not_measured(tiny_gpt2_dir, monkeypatch):
+    monkeypatch.setattr(kernel_choice, "tune", lambda *_: pytest.fail("measured an option set by hand"))
+    llm = tiny_llm(tiny_gpt2_dir, small_batch_linear="native", one_thread_max_tokens=1)
+    engine = llm.engine
+    assert apply_measured_choices(engine.config, engine.runner.model, engine.step_threads) is None
+    assert {layer.max_rows for layer in packed_layers(llm)} == {-1}  # the kernel's own limit
+
+
+def test_the_engine_sets_the_measured_choices_before_its_graph_is_traced(tiny_gpt2_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv(tuning_cache.TUNING_DIR_ENV, str(tmp_path))  # no table yet: it measures
+    tuned, seen = [], []
+    monkeypatch.setattr(kernel_choice, "tune", lambda model, *_: tuned.append(model) or Tuning(2, 5, "ours"))
+    monkeypatch.setattr(DecodeGraph, "warm_up", lambda *_: seen.append(
+        {m.max_rows for m in tuned[0].modules() if isinstance(m, PackedLinear)}))
+    llm = LLM(str(tiny_gpt2_dir), weights="pretrained", dtype=DTYPE, device="cpu", compile_decode=True,
+              num_threads=2)
+    assert tuned == [llm.engine.runner.model] and seen == [{2}]
+    assert llm.engine.step_threads.one_thread_max_tokens == 5
+
+
+@pytest.mark.parametrize("slow", ["ours", "torch"])
+def test_the_tuner_picks_the_faster_attention_and_the_graph_is_traced_on_it(tiny_gpt2_dir, tmp_path, monkeypatch,
+                                                                            slow):
+    monkeypatch.setenv(tuning_cache.TUNING_DIR_ENV, str(tmp_path))
+    monkeypatch.setattr(tuner, "compile_for", lambda _device, fn, **_: fn)  # the choice is under test, not inductor
+    monkeypatch.setattr(tuner, "_attention_step", lambda attention, pool, rows: fake(
+        (attention is decode_attention_with_own) == (slow == "torch")))
+    monkeypatch.setattr(DecodeGraph, "warm_up", lambda *_: None)
+    llm = LLM(str(tiny_gpt2_dir), weights="pretrained", dtype=DTYPE, device="cpu", compile_decode=True,
+              small_batch_linear="native", one_thread_max_tokens=1)  # decode_attention alone is auto
+    graph = llm.engine.runner.decode_graph
+    assert graph.attention is (decode_attention_with_own if slow == "ours" else torch.ops.rayinfer.decode_attention)
+    assert graph.native_write is (slow == "torch")
+
+
+@pytest.fixture(scope="module")
+def gpt2_small_dir(tmp_path_factory, gpt2_tokenizer) -> Path:
+    return write_peaked_gpt2_small(tmp_path_factory.mktemp("gpt2-small-peaked"), gpt2_tokenizer)
+
+
+@pytest.fixture(scope="module")
+def gpt2_small_reference(gpt2_small_dir) -> LLM:
+    return LLM(str(gpt2_small_dir), weights="pretrained", dtype=DTYPE, device="cpu", linears="reference",
+               compile_decode=False, num_kv_blocks=NUM_KV_BLOCKS)
+
+
+# Each linear the tuner may choose: oneDNN's for every step (and small_batch_linear: torch),
+# ours for every step it takes (its own limit), and a crossover between.
+@pytest.mark.parametrize("option, max_rows", [("torch", None), ("auto", 0), ("auto", 2), ("auto", -1)])
+def test_every_linear_the_tuner_may_pick_matches_the_reference_at_gpt2_small_size(
+        gpt2_small_dir, gpt2_small_reference, option, max_rows):
+    fast = LLM(str(gpt2_small_dir), weights="pretrained", dtype=DTYPE, device="cpu", compile_decode=False,
+               small_batch_linear=option, num_kv_blocks=NUM_KV_BLOCKS)
+    for layer in packed_layers(fast):
+        assert layer.few_rows == (option == "auto")
+        layer.max_rows = -1 if max_rows is None else max_rows
+    prompts = mixed_prompts(6)  # decodes of 1 to 6 rows
+    assert_fast_scores_close(fast, gpt2_small_reference, prompts[:1], ATOL)
+    assert_fast_scores_close(fast, gpt2_small_reference, prompts, ATOL)
