@@ -74,6 +74,12 @@ class Sequence:
         # (the first has none), filled in as prefill chunks compute them; of the output so far.
         self.prompt_logprobs: list[TokenLogprob | None] | None = None if params.prompt_logprobs is None else [None]
         self.cumulative_logprob: float | None = None if params.logprobs is None else 0.0
+        # The LoRA adapter the request names (None: the base model), the slot it holds while
+        # running (0: none, engine/lora/registry.py), and the prefix cache's seed for its
+        # blocks (the adapter's; None: the base model's), so no two adapters share KV.
+        self.lora_name: str | None = None
+        self.lora_slot = 0
+        self.cache_salt: int | None = None
 
     @property
     def num_tokens(self) -> int:
