@@ -163,37 +163,42 @@ def gpt2_small_with_adapter(tmp_path_factory, gpt2_tokenizer) -> tuple[Path, Pat
 
 
 def test_the_shipped_dtype_and_graph_with_an_adapter_score_as_hf_fp32_at_gpt2_small_size(gpt2_small_with_adapter):
-    """GPT-2-small in this CPU's dtype on the compiled graph (the shipped config), an adapter's
-    rows and base rows in one batch: every generated token's logprob is within ERROR_FACTOR x
-    HF-PEFT's own error in that dtype + FLOOR of HF-PEFT fp32's, teacher-forced on our tokens,
-    and every token is in HF fp32's top 5."""
+    """GPT-2-small in this CPU's dtype (the shipped config), an adapter's rows and base rows in
+    one batch, prompts scored on an eager prefill step (prompt logprobs keep a step off the
+    graph) and tokens decoded on the compiled graph: every prompt token's and generated token's
+    logprob is within ERROR_FACTOR x HF-PEFT's own error in that dtype + FLOOR of HF-PEFT fp32's,
+    teacher-forced on the same tokens, and every generated token is in HF fp32's top 5."""
     model_dir, adapter = gpt2_small_with_adapter
     llm = LLM(str(model_dir), weights="pretrained", device="cpu", num_kv_blocks=64, max_num_seqs=8, max_loras=1)
     llm.engine.add_lora("all", str(adapter))
     dtype = llm.engine.model_info.dtype
-    prompts, names = equal_length_prompts(4, length=24, seed=3), ["all", None, "all", None]
-    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=1)
+    prompts, names = equal_length_prompts(4, length=12, seed=3), ["all", None, "all", None]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=1, prompt_logprobs=1)
     outputs = llm.generate(prompts, params, lora_name=names)
-    assert llm.engine.runner.decode_graph.num_steps > 0
+    assert llm.engine.runner.decode_graph.num_steps >= 7  # the decodes took the graph
     references = {d: peft_model(hf_model(model_dir, d), {"all": adapter}) for d in (torch.float32, getattr(torch, dtype))}
     outside, not_top5 = [], []
     for index, (prompt, name, out) in enumerate(zip(prompts, names, outputs)):
-        fp32, in_dtype = (score(references[d], prompt, out.token_ids, name) for d in references)
-        for position, (token, logprob) in enumerate(zip(out.token_ids, out.logprobs)):
+        tokens = prompt + out.token_ids
+        fp32, in_dtype = (score(references[d], tokens, name) for d in references)
+        ours = [entry.logprob for entry in out.prompt_logprobs[1:]] + [entry.logprob for entry in out.logprobs]
+        assert len(ours) == len(tokens) - 1
+        for position, (token, logprob) in enumerate(zip(tokens[1:], ours)):
             expected = fp32[position, token].item()
-            hf_error, error = abs(in_dtype[position, token].item() - expected), abs(logprob.logprob - expected)
+            hf_error, error = abs(in_dtype[position, token].item() - expected), abs(logprob - expected)
             if error > ERROR_FACTOR * hf_error + FLOOR[dtype]:
                 outside.append(f"prompt {index}, position {position}: off by {error:.4f}, HF {dtype} by {hf_error:.4f}")
-            if token not in fp32[position].topk(5).indices.tolist():
+            if position >= len(prompt) - 1 and token not in fp32[position].topk(5).indices.tolist():
                 not_top5.append(f"prompt {index}, position {position}")
     assert outside == [] and not_top5 == [], (outside, not_top5)
 
 
-def score(model: peft.PeftModel, prompt: list[int], continuation: list[int], name: str | None) -> torch.Tensor:
-    """HF's fp32 log-softmax at each continuation position, teacher-forced, under the adapter."""
+def score(model: peft.PeftModel, tokens: list[int], name: str | None) -> torch.Tensor:
+    """[len(tokens) - 1, vocab]: HF's log-softmax of each next token given the ones before it,
+    under the adapter (None: the base model)."""
     with torch.inference_mode():
-        logits = model(torch.tensor([prompt + continuation[:-1]]), adapter_names=[name or "__base__"]).logits
-    return logits[0, len(prompt) - 1:].float().log_softmax(-1)
+        logits = model(torch.tensor([tokens[:-1]]), adapter_names=[name or "__base__"]).logits
+    return logits[0].float().log_softmax(-1)
 
 
 # --- refusals ---------------------------------------------------------------------------

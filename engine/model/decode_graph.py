@@ -78,7 +78,7 @@ def decode_step(model: GPT2LMHead, attention: DecodeAttention, argmax: bool, inp
     model's dtype, their greedy tokens [S] (None unless `argmax`) and the new k, v of every
     layer as [n_layer * 2 * H, T, D], the pool's row order. With LoRA on, each row's adapter
     slot (0: the base model) and the slots' stacked weights (engine/lora/slots.py) are inputs."""
-    lora = None if lora_slots is None else LoraBatch.of(lora_slots, lora_stacks)
+    lora = None if lora_slots is None else LoraBatch.of(lora_slots, lora_stacks, per_row=True)
     logits, keys, values = model.decode(input_ids, positions, layer_caches(kv_pool), block_tables, attention,
                                         first_rows, logits_indices, lora)
     new_kv = torch.stack([keys, values], dim=1).permute(0, 1, 3, 2, 4)  # [n_layer, 2, H, T, D]

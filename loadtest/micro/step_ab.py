@@ -9,6 +9,10 @@ inside the step, where two `loadtest.micro.ceiling` runs can't tell 5% from nois
 A/B for the pool's huge pages; `--python-wrapper A` compiles that side's decode graph with
 inductor's Python wrapper rather than its C++ one (engine/kernels/inductor.py cpp_wrapper).
 
+`--loras N`: a side whose fields set max_loras loads N random adapters (rank --lora-rank, every
+target) and runs row i under adapter i % (N + 1), 0 the base model: the A/B of LoRA's cost,
+`--a '{}' --b '{"max_loras": 4}' --loras 4`.
+
 Each engine decodes the same prompts (num_requests rows, greedy unless --temperature); per
 step, A then B or B then A (alternating). Prints each side's median step, and B's over A's.
 """
@@ -20,7 +24,9 @@ import contextlib
 import functools
 import json
 import statistics
+import tempfile
 import time
+from pathlib import Path
 from unittest import mock
 
 import engine.model.decode_graph as decode_graph
@@ -30,12 +36,14 @@ from engine.config import EngineConfig
 from engine.core.llm_engine import LLMEngine
 from engine.request.sampling_params import SamplingParams
 from loadtest.engine_bench import make_prompts
+from loadtest.micro.lora_bench import write_random_adapter
 
 
 def start(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, temperature: float = 0.0) -> None:
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True)
+    loras = [None] + [info.name for info in engine.list_loras()]
     for i, prompt in enumerate(prompts):
-        engine.add_request(f"ab-{time.monotonic_ns()}-{i}", prompt, params)
+        engine.add_request(f"ab-{time.monotonic_ns()}-{i}", prompt, params, lora_name=loras[i % len(loras)])
     engine.step()  # every prefill
 
 
@@ -58,6 +66,15 @@ def build(args: argparse.Namespace, fields: dict, small_pages: bool, python_wrap
         return LLMEngine(config)
 
 
+def add_loras(engines, num: int, rank: int) -> None:
+    directory = Path(tempfile.mkdtemp(prefix="step-ab-loras-"))
+    for engine in engines:
+        if engine.loras is not None:
+            for i in range(num):
+                path = write_random_adapter(directory / str(i), engine.runner.model.config, rank, seed=i)
+                engine.add_lora(f"lora{i}", str(path))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="gpt2")
@@ -72,10 +89,13 @@ def main() -> None:
     parser.add_argument("--small-pages", choices=["A", "B"], help="this side's KV pool on 4 KB pages")
     parser.add_argument("--python-wrapper", choices=["A", "B"], help="this side's decode graph without cpp_wrapper")
     parser.add_argument("--num-kv-blocks", type=int, default=1024)
+    parser.add_argument("--loras", type=int, default=0, help="random adapters a side with max_loras spreads its rows over")
+    parser.add_argument("--lora-rank", type=int, default=16)
     args = parser.parse_args()
     engines = {side: build(args, fields, small_pages=args.small_pages == side,
                            python_wrapper=args.python_wrapper == side)
                for side, fields in (("A", args.a), ("B", args.b))}
+    add_loras(engines.values(), args.loras, args.lora_rank)
     prompts = make_prompts(args.num_requests, args.prompt_len, engines["A"].model_info.vocab_size)
     times: dict[str, list[float]] = {"A": [], "B": []}
     for round_ in range(args.rounds + 1):  # round 0 warms up
