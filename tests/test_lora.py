@@ -8,6 +8,7 @@ request uses; and the prefix cache never shares KV between adapters."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 from pathlib import Path
@@ -17,7 +18,7 @@ import pytest
 import torch
 import transformers
 
-from engine import LLM, EngineConfig, SamplingParams
+from engine import LLM, AsyncEngine, EngineConfig, SamplingParams
 from engine.lora.adapter import LoraAdapterError, load_adapter
 from engine.request.invalid_request import InvalidRequestError
 from tests.engine_helpers import hf_model, mixed_prompts, record_steps, write_peaked_gpt2_small
@@ -199,6 +200,34 @@ def score(model: peft.PeftModel, tokens: list[int], name: str | None) -> torch.T
     with torch.inference_mode():
         logits = model(torch.tensor([tokens[:-1]]), adapter_names=[name or "__base__"]).logits
     return logits[0].float().log_softmax(-1)
+
+
+def test_the_async_engine_loads_adapters_on_its_step_loop_and_streams_each_request_under_its_own(
+        tiny_gpt2_dir, adapters, peft_fp32):
+    """What the serving layer wires: add_lora / list_loras / remove_lora, generate(lora_name=)."""
+    engine = AsyncEngine(EngineConfig(model=str(tiny_gpt2_dir), weights="pretrained", dtype="float32", device="cpu",
+                                      linears="reference", compile_decode=False, max_loras=2))
+    prompts, names = equal_length_prompts(3, seed=7), ["a", None, "b"]
+
+    async def tokens(request_id: str, prompt: list[int], name: str | None) -> list[int]:
+        return [t async for chunk in engine.generate(request_id, prompt, GREEDY, lora_name=name) for t in chunk.token_ids]
+
+    async def main():
+        for name in ("a", "b"):
+            assert (await engine.add_lora(name, str(adapters[name]))).rank == ADAPTERS[name]["r"]
+        assert [info.name for info in await engine.list_loras()] == ["a", "b"]
+        outputs = await asyncio.gather(*(tokens(str(i), p, n) for i, (p, n) in enumerate(zip(prompts, names))))
+        with pytest.raises(InvalidRequestError, match="LoRA adapter 'c' is not loaded"):
+            await tokens("x", prompts[0], "c")
+        assert await engine.remove_lora("a")
+        return outputs, await engine.lora_stats()
+
+    try:
+        outputs, stats = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert outputs == peft_greedy(peft_fp32, prompts, names)
+    assert stats.requests == {"a": 1, "b": 1} and stats.num_adapters == 1
 
 
 # --- refusals ---------------------------------------------------------------------------
