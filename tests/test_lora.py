@@ -129,6 +129,19 @@ def test_chunked_prefill_of_mixed_adapters_is_peft_s(tiny_gpt2_dir, adapters, pe
     assert [o.token_ids for o in llm.generate(prompts, GREEDY, lora_name=names)] == peft_greedy(peft_fp32, prompts, names)
 
 
+def test_preempted_requests_give_back_their_slots_and_recompute_under_their_adapters(tiny_gpt2_dir, adapters,
+                                                                                     peft_fp32):
+    """A block pool too small for the batch, two slots for three adapters: preempted requests
+    unpin their adapters, and when readmitted take a slot again (maybe another) and recompute."""
+    llm = lora_llm(tiny_gpt2_dir, adapters, max_loras=2, num_kv_blocks=6, max_num_batched_tokens=64)
+    prompts = equal_length_prompts(6, length=20, seed=8)
+    names = ["a", "b", "c", None, "a", "c"]
+    outputs = llm.generate(prompts, GREEDY, lora_name=names)
+    assert llm.engine.stats().num_preemptions > 0
+    assert [o.token_ids for o in outputs] == peft_greedy(peft_fp32, prompts, names)
+    llm.engine.check_integrity()
+
+
 def num_compiled_graphs() -> int:
     return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
@@ -239,6 +252,19 @@ def edited(adapter: Path, directory: Path, **changes) -> Path:
     config = json.loads((directory / "adapter_config.json").read_text())
     (directory / "adapter_config.json").write_text(json.dumps({**config, **changes}))
     return directory
+
+
+def test_an_adapter_saved_as_bin_loads_as_its_safetensors_twin(adapters, tmp_path):
+    from safetensors.torch import load_file
+
+    as_bin = tmp_path / "bin"
+    shutil.copytree(adapters["b"], as_bin)
+    torch.save(load_file(as_bin / "adapter_model.safetensors"), as_bin / "adapter_model.bin")
+    (as_bin / "adapter_model.safetensors").unlink()
+    ours, twin = (load_adapter("b", path, tiny_config(), max_rank=16) for path in (as_bin, adapters["b"]))
+    assert ours.weights.keys() == twin.weights.keys() and len(ours.weights) == 2 * 3  # layers x (attn and mlp c_proj, c_fc)
+    assert all(torch.equal(x, y) for key in ours.weights for x, y in zip(ours.weights[key], twin.weights[key]))
+    assert ours.scaling == twin.scaling == 16 / 8 ** 0.5  # rsLoRA: alpha / sqrt(r)
 
 
 def tiny_config() -> transformers.GPT2Config:

@@ -41,8 +41,8 @@ class LoraInfo:
 @dataclass(frozen=True)
 class LoraStats:
     """Counters since start, for metrics: adapters known and resident, slot loads (each an
-    adapter written into a slot) and their seconds, evictions, and per adapter its requests,
-    prompt tokens and generated tokens."""
+    adapter written into a slot), the seconds spent reading adapters (add) and writing slots,
+    evictions, and per adapter its requests, prompt tokens and generated tokens."""
 
     num_adapters: int
     num_resident: int
