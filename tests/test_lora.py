@@ -147,9 +147,10 @@ def num_compiled_graphs() -> int:
 
 
 def test_the_compiled_graph_takes_adapters_loaded_after_it_compiled_and_agrees_with_eager(tiny_gpt2_dir, adapters):
-    """The graph compiles while the engine is built, before any adapter is known; the adapters'
-    weights are its inputs (not constants frozen into it, as `linears: reference` freezes the
-    base weights), so adapters added later run on it, mixed, with no new compile."""
+    """The graphs (the base model's, and the one of steps with adapter rows) compile while the
+    engine is built, before any adapter is known; the adapters' weights are inputs (not
+    constants frozen in, as `linears: reference` freezes the base weights), so adapters added
+    later run on it, mixed, with no new compile."""
     compiled = LLM(str(tiny_gpt2_dir), weights="pretrained", dtype="float32", device="cpu", linears="reference",
                    compile_decode=True, max_loras=3)
     graphs = num_compiled_graphs()
@@ -161,6 +162,9 @@ def test_the_compiled_graph_takes_adapters_loaded_after_it_compiled_and_agrees_w
     ours = compiled.generate(prompts, GREEDY, lora_name=names)
     assert [o.token_ids for o in ours] == [o.token_ids for o in eager.generate(prompts, GREEDY, lora_name=names)]
     assert compiled.engine.runner.decode_graph.num_steps >= MAX_TOKENS - 1  # the decodes took the graph
+    base_only = compiled.generate(prompts[:2], GREEDY)  # the base model's own graph, compiled beside
+    assert [o.token_ids for o in base_only] == [o.token_ids for o in eager.generate(prompts[:2], GREEDY)]
+    assert compiled.engine.runner.decode_graph.num_steps >= 2 * (MAX_TOKENS - 1)
     assert num_compiled_graphs() == graphs
     compiled.engine.check_integrity()
 

@@ -104,7 +104,7 @@ class ModelRunner:
         lora_slots = self._lora_slots(seqs, num_new)
         if not graph:
             meta = self._attention_metadata(seqs, num_new, slots)
-            lora = LoraBatch.of(lora_slots, self.lora.stacks) if any(s.lora_slot for s in seqs) else None
+            lora = None if lora_slots is None else LoraBatch.of(lora_slots, self.lora.stacks)
             return self.model(input_ids, positions, self.kv_caches, meta, logits_indices=indices, lora=lora), None
         rows = [(seq, first) for seq, n, first in zip(seqs, num_new, itertools.accumulate([0] + num_new)) for _ in range(n)]
         tables = self._block_tables([seq for seq, _ in rows])
@@ -112,9 +112,9 @@ class ModelRunner:
         return self.decode_graph(input_ids, positions, self.kv_pool, tables, slots, first_rows, indices, lora_slots)
 
     def _lora_slots(self, seqs: list[Sequence], num_new: list[int]) -> torch.Tensor | None:
-        """Each token's adapter slot (0: the base model's), where LoRA is on. The graph takes
-        them on every step; an eager step of base rows alone runs the base model as it is."""
-        if self.lora is None:
+        """Each token's adapter slot (0: the base model's), where a row has an adapter: a step
+        of base rows alone runs the base model as it is, eager or on the graph."""
+        if self.lora is None or not any(seq.lora_slot for seq in seqs):
             return None
         return self._tensor([seq.lora_slot for seq, n in zip(seqs, num_new) for _ in range(n)])
 

@@ -88,7 +88,9 @@ def decode_step(model: GPT2LMHead, attention: DecodeAttention, argmax: bool, inp
 class DecodeGraph:
     def __init__(self, model: GPT2LMHead, device: torch.device, attention: DecodeAttention,
                  argmax_in_graph: bool = True, lora: LoraSlots | None = None):
-        """lora: the adapters' slots, read by every step (a step's rows each name a slot)."""
+        """lora: the adapters' slots, read by every step with adapter rows (each row names a
+        slot). Such steps run a graph of their own, compiled beside the base model's: a step of
+        base rows alone then costs what it costs with LoRA off."""
         self.attention = attention
         self.lora = lora
         self.native_write = attention is not decode_attention_with_own  # our kernels are built: write with ours too
@@ -106,7 +108,7 @@ class DecodeGraph:
         """Logits [S, vocab] in the model's dtype and greedy tokens [S] (None unless
         argmax_in_graph) of the rows logits_indices picks; rows one token each, each chunk's
         from first_rows (a decode's is its own row). The pool holds this step's k, v after.
-        lora_slots: each row's adapter slot, where the graph has LoRA slots (then required)."""
+        lora_slots: each row's adapter slot (None: every row the base model's)."""
         logits, greedy, new_kv = self._run(input_ids, positions, kv_pool, block_tables, first_rows, logits_indices,
                                            lora_slots)
         self.num_steps += 1
@@ -134,8 +136,9 @@ class DecodeGraph:
             for stack in self.lora.stacks:
                 torch._dynamo.mark_static(stack)
         start, threads = time.monotonic(), torch.get_num_threads()  # what inductor's heuristics read
-        self._run(zeros(rows), zeros(rows), kv_pool, zeros(rows, width), torch.arange(rows, device=kv_pool.device),
-                  torch.arange(sampled, device=kv_pool.device), None if self.lora is None else zeros(rows))
+        for lora_slots in [None] + ([] if self.lora is None else [zeros(rows)]):  # the base graph, the adapters'
+            self._run(zeros(rows), zeros(rows), kv_pool, zeros(rows, width), torch.arange(rows, device=kv_pool.device),
+                      torch.arange(sampled, device=kv_pool.device), lora_slots)
         logger.info("decode graph compiled in %.1f s (torch threads: %d)", time.monotonic() - start, threads)
 
     def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_pool: torch.Tensor, block_tables: torch.Tensor,
@@ -162,7 +165,7 @@ class DecodeGraph:
         if num_sampled < 2:
             logits_indices = (logits_indices if num_sampled else torch.zeros_like(first_rows[:1])).repeat(2)[:2]
         with torch.inference_mode():
-            lora = () if self.lora is None else (lora_slots, self.lora.stacks)
+            lora = () if lora_slots is None else (lora_slots, self.lora.stacks)
             logits, greedy, new_kv = self._compiled(input_ids, positions, kv_pool, block_tables, first_rows,
                                                     logits_indices, *lora)
         return logits[:num_sampled], None if greedy is None else greedy[:num_sampled], new_kv[:, :batch]
