@@ -258,6 +258,16 @@ def edited(adapter: Path, directory: Path, **changes) -> Path:
     return directory
 
 
+def test_a_directory_without_an_adapter_or_with_a_corrupt_one_is_refused_by_name(adapters, tmp_path):
+    with pytest.raises(LoraAdapterError, match=r"'none': no adapter_config.json in"):
+        load_adapter("none", tmp_path, tiny_config(), max_rank=16)
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(adapters["a"], corrupt)
+    (corrupt / "adapter_model.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(LoraAdapterError, match=r"'corrupt': cannot read adapter_model.safetensors"):
+        load_adapter("corrupt", corrupt, tiny_config(), max_rank=16)
+
+
 def test_an_adapter_saved_as_bin_loads_as_its_safetensors_twin(adapters, tmp_path):
     from safetensors.torch import load_file
 

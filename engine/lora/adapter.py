@@ -73,7 +73,10 @@ def _read_config(name: str, directory: Path) -> dict:
     file = directory / "adapter_config.json"
     if not file.is_file():
         raise LoraAdapterError(f"LoRA adapter {name!r}: no adapter_config.json in {directory}")
-    return json.loads(file.read_text())
+    config = json.loads(file.read_text())
+    if not isinstance(config, dict):
+        raise LoraAdapterError(f"LoRA adapter {name!r}: adapter_config.json is not a JSON object")
+    return config
 
 
 def _check_config(name: str, config: dict, max_rank: int) -> tuple[int, set[str]]:
@@ -108,9 +111,12 @@ def _weight_file(name: str, directory: Path) -> Path:
 
 
 def _read_tensors(name: str, file: Path) -> dict[str, torch.Tensor]:
-    if file.suffix == ".safetensors":
-        return load_file(file)
-    return torch.load(file, map_location="cpu", weights_only=True)
+    try:
+        if file.suffix == ".safetensors":
+            return load_file(file)
+        return torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - a corrupt or foreign file: refused like any other
+        raise LoraAdapterError(f"LoRA adapter {name!r}: cannot read {file.name}: {exc}") from exc
 
 
 def _oriented(name: str, tensors: dict[str, torch.Tensor], model: GPT2Config, rank: int, targets: set[str],
