@@ -39,8 +39,8 @@ _FIRST_BLOCK_PREV_HASH = 0x5EED
 
 def chain_hash(prev_hash: int | None, token_ids: tuple[int, ...]) -> int:
     """A full block's key: its tokens and, through prev_hash, every token before it.
-    The same in every process (no salt), so other processes can compute it. A first block's
-    prev_hash is its sequence's cache_salt: None for the base model, a LoRA adapter's digest
+    The same in every process (no per-process hash salt), so other processes can compute it.
+    A first block's prev_hash is its sequence's cache_salt: None for the base model, a LoRA adapter's digest
     (engine/lora/adapter.py) otherwise, so that adapters never share blocks."""
     return hash((_FIRST_BLOCK_PREV_HASH if prev_hash is None else prev_hash, token_ids))
 
