@@ -10,6 +10,8 @@ Knows nothing of Ray or HTTP. The public API:
                    logprobs, prompt_logprobs, n, best_of)
         .fan_out() -> one SamplingParams per sequence to run; select_best(cumulative, n)
     AsyncEngine(EngineConfig(...)).generate(request_id, prompt_token_ids, params) -> GenerationChunks
+    LoRA (EngineConfig max_loras > 0; docs/lora.md): add_lora(name, path), remove_lora(name),
+        list_loras(), lora_stats() on LLMEngine and AsyncEngine; a request's lora_name=
     TokenLogprob(token_id, logprob, top): a logprob of the model's raw distribution
 """
 

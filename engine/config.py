@@ -138,6 +138,11 @@ class EngineConfig:
     # file's mapping becomes a SpeculativeConfig. None: off (the default until measured
     # against the engine without it on the benchmark workloads).
     speculative: SpeculativeConfig | None = None
+    # LoRA adapters (vLLM's names): at most max_loras resident at once, each of rank up to
+    # max_lora_rank, served from the one base model, rows of several in one step
+    # (engine/lora/). 0: LoRA off, the model exactly as without it.
+    max_loras: int = 0
+    max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
         check_weights_mode(self.weights)
@@ -156,6 +161,9 @@ class EngineConfig:
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
         _require_positive("block_size", self.block_size)
         _require_positive("max_num_seqs", self.max_num_seqs)
+        _require_positive("max_lora_rank", self.max_lora_rank)
+        if not (isinstance(self.max_loras, int) and not isinstance(self.max_loras, bool) and self.max_loras >= 0):
+            raise ValueError(f"max_loras must be an integer >= 0, got {self.max_loras!r}")
         if self.max_num_batched_tokens != "auto":
             _require_positive("max_num_batched_tokens", self.max_num_batched_tokens)
         if self.num_kv_blocks is not None:

@@ -39,7 +39,9 @@ _FIRST_BLOCK_PREV_HASH = 0x5EED
 
 def chain_hash(prev_hash: int | None, token_ids: tuple[int, ...]) -> int:
     """A full block's key: its tokens and, through prev_hash, every token before it.
-    The same in every process (no salt), so other processes can compute it."""
+    The same in every process (no per-process hash salt), so other processes can compute it.
+    A first block's prev_hash is its sequence's cache_salt: None for the base model, a LoRA adapter's digest
+    (engine/lora/adapter.py) otherwise, so that adapters never share blocks."""
     return hash((_FIRST_BLOCK_PREV_HASH if prev_hash is None else prev_hash, token_ids))
 
 
@@ -86,7 +88,7 @@ class BlockManager:
         assert not seq.block_table, "prefix lookup is for sequences holding no blocks"
         if not self.enable_prefix_caching or seq.needs_prompt_logprobs:
             return 0
-        prev_hash: int | None = None
+        prev_hash = seq.cache_salt
         for index in range((seq.num_tokens - 1) // self.block_size):
             token_ids = tuple(seq.block_tokens(index))
             prev_hash = chain_hash(prev_hash, token_ids)
@@ -104,7 +106,7 @@ class BlockManager:
         if seq.prompt_hashes is None:
             hashes: list[int] = []
             for index in range((seq.num_prompt_tokens - 1) // self.block_size):
-                hashes.append(chain_hash(hashes[-1] if hashes else None, tuple(seq.block_tokens(index))))
+                hashes.append(chain_hash(hashes[-1] if hashes else seq.cache_salt, tuple(seq.block_tokens(index))))
             seq.prompt_hashes = hashes
         return seq.prompt_hashes
 
@@ -156,7 +158,7 @@ class BlockManager:
         num_full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
         for index in range(len(seq.block_hashes), num_full):
             token_ids = tuple(seq.block_tokens(index))
-            prev_hash = seq.block_hashes[-1] if seq.block_hashes else None
+            prev_hash = seq.block_hashes[-1] if seq.block_hashes else seq.cache_salt
             block_hash = chain_hash(prev_hash, token_ids)
             block = self.blocks[seq.block_table[index]]
             block.hash, block.token_ids = block_hash, token_ids

@@ -24,6 +24,7 @@ from engine.core.model_runner import ModelOutput, ModelRunner
 from engine.model.gpt2 import GPT2LMHead
 from engine.model.packed_linear import can_pack
 from engine.model.progress import progress
+from engine.request.invalid_request import InvalidRequestError
 from engine.request.outputs import EngineStats, ModelInfo, StepOutput
 from engine.request.request_rules import (
     check_context, check_kv_blocks, check_params, check_prompt, check_request_id_free, check_scheduling,
@@ -37,6 +38,8 @@ from engine.core.sequence import Sequence, SequenceStatus
 from engine.speculative.speculator import Speculator
 from engine.core.step_log import StepLog, StepRecord
 from engine.core.step_threads import StepThreads
+from engine.lora.registry import LoraInfo, LoraRegistry, LoraStats
+from engine.lora.slots import LoraSlots
 
 if TYPE_CHECKING:  # imported where a constraint first needs it, not with every engine's start
     import xgrammar as xgr
@@ -74,7 +77,9 @@ class LLMEngine:
             priority_range=config.allowed_priorities)
         num_blocks = self._num_kv_blocks(model)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.loras = self._lora_registry(model, graphed)
         self.runner = self._runner(model, num_blocks, graphed)
+        self.runner.lora = None if self.loras is None else self.loras.slots
         self._compile = self._start_compile(on_compiled) if compile_in_background else None
         if self._compile is None:
             self.runner.decode_graph, self.runner.sampler = self._ready(self.runner.decode_graph)
@@ -83,6 +88,7 @@ class LLMEngine:
         self.speculator = None if config.speculative is None else Speculator(config.speculative, self.max_model_len)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, step_tokens, config.scheduling_policy,
                                    self.speculator)
+        self.scheduler.loras = self.loras
         self._seqs: dict[str, Sequence] = {}
         self.step_log = StepLog()  # the replica's metrics drain it
         self._num_prompt_tokens = self._num_generated_tokens = self._num_constrained_requests = 0
@@ -104,13 +110,19 @@ class LLMEngine:
         SamplingBatch.from_params([params], [None], self.model_info.vocab_size, torch.device("cpu"))
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    scheduling: Scheduling = Scheduling(), grammar: xgr.CompiledGrammar | None = None) -> None:
+                    scheduling: Scheduling = Scheduling(), grammar: xgr.CompiledGrammar | None = None,
+                    lora_name: str | None = None) -> None:
         """grammar: params.constraint's, compiled already (by AsyncEngine, off this thread);
-        None compiles it here (self.grammars caches it)."""
+        None compiles it here (self.grammars caches it). lora_name: an adapter add_lora loaded,
+        or None for the base model."""
         check_request_id_free(request_id, self._seqs)
         check_scheduling(scheduling, self.model_info.priority_range)
+        self.check_lora_name(lora_name)
         self.validate_request(prompt_token_ids, params)
         seq = Sequence(request_id, prompt_token_ids, params, self.config.block_size, self.eos_token_id, scheduling)
+        if lora_name is not None:
+            seq.lora_name, seq.cache_salt = lora_name, self.loras.adapters[lora_name].cache_seed
+            self.loras.record(lora_name, is_request=True)
         if params.seed is not None:
             seq.generator = torch.Generator(device=self.config.torch_device).manual_seed(params.seed)
         if params.constraint is not None:
@@ -198,6 +210,8 @@ class LLMEngine:
             seq.timings.first_token = now
             self._num_prompt_tokens += seq.num_prompt_tokens
         self._num_generated_tokens += 1
+        if seq.lora_name is not None:
+            self.loras.record(seq.lora_name, seq.num_prompt_tokens if is_first else 0, 1)
         seq.finish_reason = self._finish_reason(seq, token)
         if seq.finish_reason is not None:
             self._finish(seq)
@@ -258,6 +272,48 @@ class LLMEngine:
     def check_integrity(self) -> None:
         """Assert the KV pool's invariants against the live sequences (tests call this)."""
         self.block_manager.check_integrity(list(self._seqs.values()))
+        if self.loras is not None:
+            self.loras.check_integrity(self.scheduler.running)
+
+    # LoRA adapters (engine/lora/): what the serving layer wires to vLLM's
+    # /v1/load_lora_adapter, /v1/unload_lora_adapter and /v1/models.
+    def add_lora(self, name: str, path: str) -> LoraInfo:
+        """Read and check a PEFT adapter directory; requests may name it from now on. Raises
+        LoraAdapterError (a ValueError) naming what it refuses, ValueError where LoRA is off."""
+        return self._lora_registry_on().add(name, path)
+
+    def remove_lora(self, name: str) -> bool:
+        """Forget the adapter (False: unknown). Raises ValueError while a request names it."""
+        in_use = [s.request_id for s in self._seqs.values() if s.lora_name == name]
+        if in_use:
+            raise ValueError(f"LoRA adapter {name!r} is in use by {len(in_use)} request(s), e.g. {in_use[0]!r}")
+        return self.loras is not None and self.loras.remove(name)
+
+    def list_loras(self) -> list[LoraInfo]:
+        return [] if self.loras is None else [self.loras.info(name) for name in self.loras.adapters]
+
+    def lora_stats(self) -> LoraStats | None:
+        return None if self.loras is None else self.loras.stats()
+
+    def check_lora_name(self, lora_name: str | None) -> None:
+        """Raise InvalidRequestError (param "model") unless lora_name is None or a loaded adapter."""
+        if lora_name is not None and (self.loras is None or lora_name not in self.loras.adapters):
+            raise InvalidRequestError(f"LoRA adapter {lora_name!r} is not loaded", param="model")
+
+    def _lora_registry_on(self) -> LoraRegistry:
+        if self.loras is None:
+            raise ValueError("LoRA is off: start the engine with max_loras > 0")
+        return self.loras
+
+    def _lora_registry(self, model: GPT2LMHead, graphed: bool) -> LoraRegistry | None:
+        """The adapters' registry and slots where max_loras > 0; None leaves the model as it is."""
+        config = self.config
+        if not config.max_loras:
+            return None
+        if graphed:
+            raise ValueError("max_loras > 0 does not run inside CUDA graphs yet: set cuda_graphs: false")
+        slots = LoraSlots(model.config, config.max_loras, config.max_lora_rank, config.torch_dtype, config.torch_device)
+        return LoraRegistry(model.config, config.max_lora_rank, slots)
 
     def _runner(self, model: GPT2LMHead, num_blocks: int, graphed: bool) -> ModelRunner:
         """The model runner, with the graph its decode steps take where the config asks for one:
@@ -270,7 +326,7 @@ class LLMEngine:
                                     argmax=native_draw is None, compiled=config.decode_compiled)
         elif config.decode_compiled:
             graph = DecodeGraph(model, config.torch_device, decode_attention(config, hf.n_embd // hf.n_head),
-                                argmax_in_graph=native_draw is None)
+                                argmax_in_graph=native_draw is None, lora=None if self.loras is None else self.loras.slots)
         # On CUDA the draw stays eager: ATen's argmax, sort and cumsum are GPU kernels already,
         # and inductor (torch 2.11, H100) cannot generate the compiled draw: it fuses the argmax
         # into the cumsum's split-scan kernel ("NYI TritonSplitDimKernel reductions").

@@ -11,6 +11,8 @@ import engine.core.kv_pool as kv_pool
 from engine.model.attention import AttentionGroup, AttentionMetadata
 from engine.model.cuda_graphs import CudaGraphDecode
 from engine.model.decode_graph import DecodeGraph, layer_caches
+from engine.lora.lora_linear import LoraBatch
+from engine.lora.slots import LoraSlots
 from engine.sampling.grammar_mask import GrammarMask
 from engine.sampling.logits_controls import LogitsControls
 from engine.sampling.logprobs import PromptScoring, TokenLogprob, token_logprobs
@@ -63,6 +65,7 @@ class ModelRunner:
         self.kv_pool = kv_pool.allocate(shape, self.dtype, self.device)
         self.kv_caches = layer_caches(self.kv_pool)
         self.sampler = sampler
+        self.lora: LoraSlots | None = None  # the adapters' slots, where LoRA is on (max_loras > 0)
 
     @staticmethod
     def kv_bytes_per_block(model_config, block_size: int, dtype: torch.dtype) -> int:
@@ -108,13 +111,22 @@ class ModelRunner:
         row's greedy token (None from the eager path), and the logits in the model's dtype
         (float32 from the eager path)."""
         input_ids, positions, slots = self._flat_tokens(seqs, num_new)
+        lora_slots = self._lora_slots(seqs, num_new)
         if not graph:
             meta = self._attention_metadata(seqs, num_new, slots)
-            return self.model(input_ids, positions, self.kv_caches, meta, logits_indices=indices), None
+            lora = None if lora_slots is None else LoraBatch.of(lora_slots, self.lora.stacks)
+            return self.model(input_ids, positions, self.kv_caches, meta, logits_indices=indices, lora=lora), None
         rows = [(seq, first) for seq, n, first in zip(seqs, num_new, itertools.accumulate([0] + num_new)) for _ in range(n)]
         tables = self._block_tables([seq for seq, _ in rows])
         first_rows = self._tensor([first for _, first in rows])
-        return self.decode_graph(input_ids, positions, self.kv_pool, tables, slots, first_rows, indices)
+        return self.decode_graph(input_ids, positions, self.kv_pool, tables, slots, first_rows, indices, lora_slots)
+
+    def _lora_slots(self, seqs: list[Sequence], num_new: list[int]) -> torch.Tensor | None:
+        """Each token's adapter slot (0: the base model's), where a row has an adapter: a step
+        of base rows alone runs the base model as it is, eager or on the graph."""
+        if self.lora is None or not any(seq.lora_slot for seq in seqs):
+            return None
+        return self._tensor([seq.lora_slot for seq, n in zip(seqs, num_new) for _ in range(n)])
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor, greedy: torch.Tensor | None) -> ModelOutput:
         if not seqs:

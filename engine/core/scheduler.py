@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.core.block_manager import BlockManager
 from engine.core.queue_policy import SchedulingPolicy, make_queue
@@ -38,6 +39,9 @@ from engine.speculative.speculator import Speculator
 # Leading blocks a waiting prompt must share with one being computed to wait for it: a step
 # of latency for it, against computing them twice.
 MIN_SHARED_BLOCKS_TO_WAIT = 2
+
+if TYPE_CHECKING:
+    from engine.lora.registry import LoraRegistry
 
 
 @dataclass
@@ -70,6 +74,9 @@ class Scheduler:
         self.running: list[Sequence] = []  # in admission order: the last is the newest
         self.num_preemptions = 0
         self._num_added = 0
+        # LoRA adapters' slots (engine/lora/registry.py): a running sequence pins its adapter's,
+        # and a waiting one whose adapter finds no slot is passed over until one frees.
+        self.loras: LoraRegistry | None = None
 
     def add(self, seq: Sequence) -> None:
         seq.arrival_index = self._num_added
@@ -80,6 +87,7 @@ class Scheduler:
         """Take seq out of the queues and give back its blocks (finish or abort)."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
+            self._release_lora(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
@@ -132,7 +140,7 @@ class Scheduler:
         deferred: list[Sequence] = []
         while budget > 0 and self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting.peek()
-            if self._waits_for_blocks(seq, in_flight):
+            if self._waits_for_blocks(seq, in_flight) or not self._can_acquire_lora(seq):
                 self.waiting.remove(seq)
                 deferred.append(seq)
                 continue
@@ -218,12 +226,15 @@ class Scheduler:
 
     def _admit(self, seq: Sequence, batch: ScheduledBatch, budget: int) -> bool:
         first_time = seq.timings.first_scheduled is None
+        if self.loras is not None and not self.loras.acquire(seq):
+            return False
         seq.num_computed_tokens = self.block_manager.allocate_cached_prefix(seq)
         num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
         needed = self.block_manager.num_new_blocks_needed(seq, seq.num_computed_tokens + num_new)
         if not self.block_manager.can_allocate(needed):
             self.block_manager.free(seq)  # hand back the prefix hits; retry next step
             seq.num_computed_tokens = 0
+            self._release_lora(seq)
             return False
         self.block_manager.allocate(seq, seq.num_computed_tokens + num_new)
         self.block_manager.record_prefix_lookup(seq.num_tokens, seq.num_computed_tokens)
@@ -240,8 +251,16 @@ class Scheduler:
         scheduled = set(map(id, batch.seqs))
         return max((s for s in reversed(self.running) if id(s) not in scheduled), key=self.waiting.victim_key)
 
+    def _can_acquire_lora(self, seq: Sequence) -> bool:
+        return self.loras is None or seq.lora_name is None or self.loras.can_acquire(seq.lora_name)
+
+    def _release_lora(self, seq: Sequence) -> None:
+        if self.loras is not None:
+            self.loras.release(seq)
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        self._release_lora(seq)
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from engine.frontend.admission import TenantWork, check_waiting_bounds, has_waiting_bounds, retry_after_s
 from engine.config import EngineConfig
 from engine.core.llm_engine import LLMEngine
+from engine.lora.registry import LoraInfo, LoraStats
 from engine.frontend.messages import (
     AbortRequest, AddRequest, EngineFailed, OutMessage, RequestRejected, StepOutputs,
 )
@@ -92,7 +93,8 @@ class AsyncEngine:
         return TenantWork(scheduling.tenant, num_waiting, num_tokens, scheduling.weight / sum(weights.values()))
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       scheduling: Scheduling = Scheduling()) -> AsyncIterator[GenerationChunk]:
+                       scheduling: Scheduling = Scheduling(),
+                       lora_name: str | None = None) -> AsyncIterator[GenerationChunk]:
         """Stream a request's tokens.
 
         Raises before any chunk: InvalidRequestError (a ValueError) for a request that can
@@ -100,13 +102,14 @@ class AsyncEngine:
         on the step loop thread),
         EngineOverloadedError when the waiting bounds are full, EngineDeadError when the
         step loop has crashed. `scheduling`: the request's priority and tenant (the
-        policy's order, and per tenant bounds under the fair one). Leaving the iterator early (break, cancellation, an error in
+        policy's order, and per tenant bounds under the fair one). `lora_name`: a LoRA adapter
+        add_lora loaded (InvalidRequestError, param "model", if none is), None the base model. Leaving the iterator early (break, cancellation, an error in
         the consumer) aborts the request; its KV blocks are free by the end of the next step.
         """
         grammar = await self._compile(params)
         stream = self._admit(request_id, len(prompt_token_ids), scheduling)
         self.step_loop.send(AddRequest(request_id, list(prompt_token_ids), params, asyncio.get_running_loop(),
-                                       scheduling, grammar))
+                                       scheduling, grammar, lora_name))
         try:
             async for chunk in stream.chunks():
                 yield chunk
@@ -127,6 +130,19 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self.step_loop.send(AbortRequest(request_id))
 
+
+    # LoRA adapters, on the step loop's thread between two steps (LLMEngine's, which say what they raise).
+    async def add_lora(self, name: str, path: str) -> LoraInfo:
+        return await self.call_on_loop(lambda engine: engine.add_lora(name, path))
+
+    async def remove_lora(self, name: str) -> bool:
+        return await self.call_on_loop(lambda engine: engine.remove_lora(name))
+
+    async def list_loras(self) -> list[LoraInfo]:
+        return await self.call_on_loop(lambda engine: engine.list_loras())
+
+    async def lora_stats(self) -> LoraStats | None:
+        return await self.call_on_loop(lambda engine: engine.lora_stats())
 
     def shutdown(self, timeout: float = 5.0) -> None:
         self.step_loop.stop(timeout)

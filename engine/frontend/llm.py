@@ -40,17 +40,22 @@ class LLM:
         self._ids = itertools.count()
 
     def generate(self, prompts: Prompt | Seq[Prompt],
-                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None) -> list[CompletionOutput]:
-        """Run every prompt to completion, batched continuously; results in prompt order."""
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 lora_name: str | None | Seq[str | None] = None) -> list[CompletionOutput]:
+        """Run every prompt to completion, batched continuously; results in prompt order.
+        lora_name: the LoRA adapter (LLMEngine.add_lora) of every prompt, or one per prompt
+        (None: the base model)."""
         prompts = [prompts] if _is_single(prompts) else list(prompts)
         params = _per_prompt(sampling_params or SamplingParams(), len(prompts))
+        loras = _per_prompt_lora(lora_name, len(prompts))
         requests = {}
-        for prompt, p in zip(prompts, params):
+        for prompt, p, lora in zip(prompts, params, loras):
             ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            self.engine.check_lora_name(lora)
             self.engine.validate_request(ids, p)
             requests[str(next(self._ids))] = (CompletionOutput(ids), IncrementalDetokenizer(self.vocab, p.stop), p)
-        for request_id, (out, _, p) in requests.items():
-            self.engine.add_request(request_id, out.prompt_token_ids, p)
+        for (request_id, (out, _, p)), lora in zip(requests.items(), loras):
+            self.engine.add_request(request_id, out.prompt_token_ids, p, lora_name=lora)
         while self.engine.has_unfinished_requests():
             for step in self.engine.step():
                 self._apply(step, requests)
@@ -85,6 +90,14 @@ def _append(out: CompletionOutput, step: StepOutput) -> None:
 
 def _is_single(prompts) -> bool:
     return isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
+
+
+def _per_prompt_lora(lora_name: str | None | Seq[str | None], n: int) -> list[str | None]:
+    if lora_name is None or isinstance(lora_name, str):
+        return [lora_name] * n
+    if len(lora_name) != n:
+        raise ValueError(f"got {len(lora_name)} LoRA names for {n} prompts")
+    return list(lora_name)
 
 
 def _per_prompt(params: SamplingParams | Seq[SamplingParams], n: int) -> list[SamplingParams]:

@@ -27,6 +27,7 @@ class AddRequest:
     loop: asyncio.AbstractEventLoop  # where the request's outputs are delivered
     scheduling: Scheduling = Scheduling()
     grammar: xgr.CompiledGrammar | None = None  # params.constraint's, compiled before it was sent
+    lora_name: str | None = None  # the LoRA adapter it runs under (None: the base model)
 
 
 @dataclass(frozen=True)

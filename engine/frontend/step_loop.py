@@ -138,9 +138,9 @@ class StepLoop:
 
     def _apply(self, message: InMessage) -> None:
         match message:
-            case AddRequest(request_id, prompt_token_ids, params, loop, scheduling, grammar):
+            case AddRequest(request_id, prompt_token_ids, params, loop, scheduling, grammar, lora_name):
                 try:
-                    self.engine.add_request(request_id, prompt_token_ids, params, scheduling, grammar)
+                    self.engine.add_request(request_id, prompt_token_ids, params, scheduling, grammar, lora_name)
                     self._loops[request_id] = loop
                 except ValueError as exc:
                     _send(loop, self._on_output, RequestRejected(request_id, exc))

@@ -46,6 +46,8 @@ from torch import nn
 
 from engine.model.attention import decode_attention_with_own
 from engine.kernels.inductor import compile_for
+from engine.lora.lora_linear import LoraBatch
+from engine.lora.slots import LoraSlots
 from engine.model.gpt2 import GPT2LMHead
 from engine.kernels.native_attention import DecodeAttention
 
@@ -70,20 +72,27 @@ def write_new_kv(kv_pool: torch.Tensor, new_kv: torch.Tensor, slot_mapping: torc
 
 def decode_step(model: GPT2LMHead, attention: DecodeAttention, argmax: bool, input_ids: torch.Tensor,
                 positions: torch.Tensor, kv_pool: torch.Tensor, block_tables: torch.Tensor, first_rows: torch.Tensor,
-                logits_indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+                logits_indices: torch.Tensor, lora_slots: torch.Tensor | None = None,
+                lora_stacks: tuple[torch.Tensor, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """What the graph computes: logits [S, vocab] of the rows logits_indices picks, in the
     model's dtype, their greedy tokens [S] (None unless `argmax`) and the new k, v of every
-    layer as [n_layer * 2 * H, T, D], the pool's row order."""
+    layer as [n_layer * 2 * H, T, D], the pool's row order. With LoRA on, each row's adapter
+    slot (0: the base model) and the slots' stacked weights (engine/lora/slots.py) are inputs."""
+    lora = None if lora_slots is None else LoraBatch.of(lora_slots, lora_stacks, per_row=True)
     logits, keys, values = model.decode(input_ids, positions, layer_caches(kv_pool), block_tables, attention,
-                                        first_rows, logits_indices)
+                                        first_rows, logits_indices, lora)
     new_kv = torch.stack([keys, values], dim=1).permute(0, 1, 3, 2, 4)  # [n_layer, 2, H, T, D]
     return logits, logits.argmax(dim=-1) if argmax else None, new_kv.flatten(0, 2)
 
 
 class DecodeGraph:
     def __init__(self, model: GPT2LMHead, device: torch.device, attention: DecodeAttention,
-                 argmax_in_graph: bool = True):
+                 argmax_in_graph: bool = True, lora: LoraSlots | None = None):
+        """lora: the adapters' slots, read by every step with adapter rows (each row names a
+        slot). Such steps run a graph of their own, compiled beside the base model's: a step of
+        base rows alone then costs what it costs with LoRA off."""
         self._model, self._device, self._argmax = model, device, argmax_in_graph
+        self.lora = lora
         self.use_attention(attention)
         self.num_steps = 0  # steps run through the graph
 
@@ -101,11 +110,14 @@ class DecodeGraph:
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_pool: torch.Tensor,
                  block_tables: torch.Tensor, slot_mapping: torch.Tensor, first_rows: torch.Tensor,
-                 logits_indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 logits_indices: torch.Tensor, lora_slots: torch.Tensor | None = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits [S, vocab] in the model's dtype and greedy tokens [S] (None unless
         argmax_in_graph) of the rows logits_indices picks; rows one token each, each chunk's
-        from first_rows (a decode's is its own row). The pool holds this step's k, v after."""
-        logits, greedy, new_kv = self._run(input_ids, positions, kv_pool, block_tables, first_rows, logits_indices)
+        from first_rows (a decode's is its own row). The pool holds this step's k, v after.
+        lora_slots: each row's adapter slot (None: every row the base model's)."""
+        logits, greedy, new_kv = self._run(input_ids, positions, kv_pool, block_tables, first_rows, logits_indices,
+                                           lora_slots)
         self.num_steps += 1
         with torch.inference_mode():
             write_new_kv(kv_pool, new_kv, slot_mapping, self.native_write)
@@ -127,13 +139,17 @@ class DecodeGraph:
         def zeros(*shape: int) -> torch.Tensor:  # distinct tensors: dynamo guards on aliasing
             return torch.zeros(shape, dtype=torch.int64, device=kv_pool.device)
 
+        if self.lora is not None:
+            for stack in self.lora.stacks:
+                torch._dynamo.mark_static(stack)
         start, threads = time.monotonic(), torch.get_num_threads()  # what inductor's heuristics read
-        self._run(zeros(rows), zeros(rows), kv_pool, zeros(rows, width), torch.arange(rows, device=kv_pool.device),
-                  torch.arange(sampled, device=kv_pool.device))
+        for lora_slots in [None] + ([] if self.lora is None else [zeros(rows)]):  # the base graph, the adapters'
+            self._run(zeros(rows), zeros(rows), kv_pool, zeros(rows, width), torch.arange(rows, device=kv_pool.device),
+                      torch.arange(sampled, device=kv_pool.device), lora_slots)
         logger.info("decode graph compiled in %.1f s (torch threads: %d)", time.monotonic() - start, threads)
 
     def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_pool: torch.Tensor, block_tables: torch.Tensor,
-             first_rows: torch.Tensor, logits_indices: torch.Tensor,
+             first_rows: torch.Tensor, logits_indices: torch.Tensor, lora_slots: torch.Tensor | None = None,
              ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """The graph on inputs padded to at least 2 rows, 2 sampled rows and 2 blocks,
         unpadded after.
@@ -141,7 +157,8 @@ class DecodeGraph:
         A padding row repeats row 0 as a chunk of its own (row 0's cached tokens are in the
         pool whether it decodes or starts a chunk); a padding sample repeats the first
         (row 0 where none samples); a padding block is block 0, masked out (a sequence with
-        one block has fewer cached tokens than a block holds, the mask's bound). Inputs are
+        one block has fewer cached tokens than a block holds, the mask's bound); a padding row's
+        adapter slot repeats row 0's. Inputs are
         made outside inference mode, as the runner's are: dynamo guards on that too.
         """
         batch, width = block_tables.shape
@@ -151,9 +168,11 @@ class DecodeGraph:
         if batch < 2:
             input_ids, positions, block_tables = input_ids.repeat(2), positions.repeat(2), block_tables.repeat(2, 1)
             first_rows = torch.arange(2, device=first_rows.device)
+            lora_slots = None if lora_slots is None else lora_slots.repeat(2)
         if num_sampled < 2:
             logits_indices = (logits_indices if num_sampled else torch.zeros_like(first_rows[:1])).repeat(2)[:2]
         with torch.inference_mode():
+            lora = () if lora_slots is None else (lora_slots, self.lora.stacks)
             logits, greedy, new_kv = self._compiled(input_ids, positions, kv_pool, block_tables, first_rows,
-                                                    logits_indices)
+                                                    logits_indices, *lora)
         return logits[:num_sampled], None if greedy is None else greedy[:num_sampled], new_kv[:, :batch]

@@ -13,6 +13,7 @@ from transformers import GPT2Config
 
 from engine.model.attention import AttentionMetadata, decode_attention_with_own, paged_attention
 from engine.kernels.native_attention import DecodeAttention
+from engine.lora.lora_linear import LayerLora, LoraBatch, lora_linear_add
 from engine.model.packed_linear import PackedLinear, linear_add, linear_gelu, pack_linears
 
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -32,17 +33,32 @@ class GPT2Block(nn.Module):
         self.mlp_fc = nn.Linear(hidden, inner)
         self.mlp_proj = nn.Linear(inner, hidden)
 
-    def forward(self, h: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                lora: LayerLora | None = None) -> torch.Tensor:
+        """lora: each row's adapter update (engine/lora/lora_linear.py); None, the base model alone."""
+        if lora is not None:
+            return self._forward_lora(h, kv_cache, meta, lora)
         qkv = self.attn_qkv(self.ln_1(h)).view(h.shape[0], 3, self.num_heads, self.head_dim)
         attn = paged_attention(qkv[:, 0], qkv[:, 1], qkv[:, 2], kv_cache[0], kv_cache[1], meta)
         return self._mlp(linear_add(self.attn_out, attn.flatten(1), h))
 
+    def _forward_lora(self, h: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                      lora: LayerLora) -> torch.Tensor:
+        qkv = self._qkv_lora(h, lora)
+        attn = paged_attention(qkv[:, 0], qkv[:, 1], qkv[:, 2], kv_cache[0], kv_cache[1], meta)
+        return self._attn_out_mlp_lora(attn.flatten(1), h, lora)
+
     def decode(self, h: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], block_tables: torch.Tensor,
                context_lens: torch.Tensor, attention: DecodeAttention,
-               first_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               first_rows: torch.Tensor | None = None, lora: LayerLora | None = None,
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """A step's rows, the pools read and left unwritten: (h, this step's k, v). Each row
         attends to its context_lens cached tokens and to this step's rows from first_rows (its
         chunk's first; None: each row alone, a decode) up to itself."""
+        if lora is not None:
+            q, k, v = self._qkv_lora(h, lora).unbind(1)
+            attn = attention(q, k, v, kv_cache[0], kv_cache[1], block_tables, context_lens, first_rows)
+            return self._attn_out_mlp_lora(attn.flatten(1), h, lora), k, v
         qkv = self.attn_qkv(self.ln_1(h)).view(h.shape[0], 3, self.num_heads, self.head_dim)
         q, k, v = qkv.unbind(1)
         attn = attention(q, k, v, kv_cache[0], kv_cache[1], block_tables, context_lens, first_rows)
@@ -50,6 +66,18 @@ class GPT2Block(nn.Module):
 
     def _mlp(self, h: torch.Tensor) -> torch.Tensor:
         return linear_add(self.mlp_proj, linear_gelu(self.mlp_fc, self.ln_2(h)), h)
+
+    # The same block with each linear's output plus its LoRA update, added where PEFT adds it:
+    # to the linear's output, before the GELU and the residual.
+    def _qkv_lora(self, h: torch.Tensor, lora: LayerLora) -> torch.Tensor:
+        x = self.ln_1(h)
+        return (self.attn_qkv(x) + lora.delta("attn_qkv", x)).view(h.shape[0], 3, self.num_heads, self.head_dim)
+
+    def _attn_out_mlp_lora(self, attn: torch.Tensor, h: torch.Tensor, lora: LayerLora) -> torch.Tensor:
+        h = lora_linear_add(self.attn_out, attn, h, lora.delta("attn_out", attn))
+        x = self.ln_2(h)
+        inner = F.gelu(self.mlp_fc(x) + lora.delta("mlp_fc", x), approximate="tanh")
+        return lora_linear_add(self.mlp_proj, inner, h, lora.delta("mlp_proj", inner))
 
 
 class GPT2LMHead(nn.Module):
@@ -71,11 +99,13 @@ class GPT2LMHead(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,
+        lora: LoraBatch | None = None,
     ) -> torch.Tensor:
-        """Flat tokens [T] in; float32 logits [S, vocab] out for the S tokens that sample."""
+        """Flat tokens [T] in; float32 logits [S, vocab] out for the S tokens that sample.
+        lora: each token's adapter (engine/lora/lora_linear.py); None, the base model alone."""
         h = self.wte(input_ids) + self.wpe(positions)
-        for block, kv_cache in zip(self.h, kv_caches):
-            h = block(h, kv_cache, meta)
+        for index, (block, kv_cache) in enumerate(zip(self.h, kv_caches)):
+            h = block(h, kv_cache, meta, None if lora is None else lora.layer(index))
         return self._logits(self.ln_f(h[logits_indices])).float()
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
@@ -85,7 +115,7 @@ class GPT2LMHead(nn.Module):
     def decode(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                block_tables: torch.Tensor, attention: DecodeAttention = decode_attention_with_own,
                first_rows: torch.Tensor | None = None, logits_indices: torch.Tensor | None = None,
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               lora: LoraBatch | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """A step as one pure function (what engine/model/decode_graph.py compiles): tokens [T] at
         `positions`, each row with its sequence's block table, in; logits in the model's dtype
         (of the rows logits_indices picks, or of every row) and every layer's k, v
@@ -93,14 +123,16 @@ class GPT2LMHead(nn.Module):
         (one token per sequence, its position its number of cached tokens); with them, row b
         belongs to the chunk of one sequence's new tokens that starts at row first_rows[b], so
         it has position - (b - first_rows[b]) tokens cached. `attention` is
-        decode_attention_with_own or its C++ kernel (engine/kernels/native_attention.py)."""
+        decode_attention_with_own or its C++ kernel (engine/kernels/native_attention.py). `lora`:
+        each row's adapter (engine/lora/lora_linear.py), None for the base model alone."""
         h = self.wte(input_ids) + self.wpe(positions)
         context_lens = positions
         if first_rows is not None:
             context_lens = positions - (torch.arange(len(positions), device=positions.device) - first_rows)
         new_keys, new_values = [], []
-        for block, kv_cache in zip(self.h, kv_caches):
-            h, k, v = block.decode(h, kv_cache, block_tables, context_lens, attention, first_rows)
+        for index, (block, kv_cache) in enumerate(zip(self.h, kv_caches)):
+            layer_lora = None if lora is None else lora.layer(index)
+            h, k, v = block.decode(h, kv_cache, block_tables, context_lens, attention, first_rows, layer_lora)
             new_keys.append(k)
             new_values.append(v)
         if logits_indices is not None:
