@@ -161,9 +161,7 @@ class EngineConfig:
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
         _require_positive("block_size", self.block_size)
         _require_positive("max_num_seqs", self.max_num_seqs)
-        _require_positive("max_lora_rank", self.max_lora_rank)
-        if not (isinstance(self.max_loras, int) and not isinstance(self.max_loras, bool) and self.max_loras >= 0):
-            raise ValueError(f"max_loras must be an integer >= 0, got {self.max_loras!r}")
+        self._check_lora()
         if self.max_num_batched_tokens != "auto":
             _require_positive("max_num_batched_tokens", self.max_num_batched_tokens)
         if self.num_kv_blocks is not None:
@@ -185,6 +183,11 @@ class EngineConfig:
         if self.max_num_batched_tokens != "auto" and self.max_num_batched_tokens < self.max_num_seqs:
             # Every running sequence must be able to decode in every step.
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs")
+
+    def _check_lora(self) -> None:
+        _require_positive("max_lora_rank", self.max_lora_rank)
+        if not (isinstance(self.max_loras, int) and not isinstance(self.max_loras, bool) and self.max_loras >= 0):
+            raise ValueError(f"max_loras must be an integer >= 0, got {self.max_loras!r}")
 
     @property
     def allowed_priorities(self) -> tuple[int, int]:

@@ -18,7 +18,8 @@ SHIPPED = ("engine", "deployments", "loadtest")  # the wheel's packages; bench/ 
 # A room is a sub-package, or a top-level module named here (engine/config.py); the floor's
 # other top-level modules (deployments/app.py, loadtest's tools) are the room named as the floor.
 ROOMS = {
-    "engine": ("engine.request", "engine.kernels", "engine.model", "engine.sampling", "engine.config",
+    "engine": ("engine.request", "engine.kernels", "engine.lora", "engine.model", "engine.sampling", "engine.speculative",
+               "engine.config",
                "engine.core", "engine.frontend", "engine"),
     "deployments": ("deployments.observability", "deployments.routing", "deployments.api", "deployments.replicas",
                     "deployments"),

@@ -69,12 +69,7 @@ class LLMEngine:
         hf = source.config
         self.max_model_len = min(config.max_model_len or hf.n_positions, hf.n_positions)
         self.eos_token_id = hf.eos_token_id if hf.eos_token_id is not None else hf.vocab_size - 1
-        self.model_info = ModelInfo(
-            name=config.model, weights=source.weights, max_model_len=self.max_model_len,
-            vocab_size=hf.vocab_size, eos_token_id=self.eos_token_id,
-            dtype=str(config.torch_dtype).removeprefix("torch."), device=str(config.torch_device),
-            max_waiting_requests=config.max_waiting_requests, max_waiting_tokens=config.max_waiting_tokens,
-            priority_range=config.allowed_priorities)
+        self.model_info = self._model_info(source)
         num_blocks = self._num_kv_blocks(model)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.loras = self._lora_registry(model, graphed)
@@ -97,6 +92,15 @@ class LLMEngine:
         logger.info("engine ready: %s (%s weights, %s, %s), %d KV blocks of %d tokens",
                     config.model, source.weights, self.model_info.dtype, self.model_info.device,
                     num_blocks, config.block_size)
+
+    def _model_info(self, source: ModelSource) -> ModelInfo:
+        config = self.config
+        return ModelInfo(
+            name=config.model, weights=source.weights, max_model_len=self.max_model_len,
+            vocab_size=source.config.vocab_size, eos_token_id=self.eos_token_id,
+            dtype=str(config.torch_dtype).removeprefix("torch."), device=str(config.torch_device),
+            max_waiting_requests=config.max_waiting_requests, max_waiting_tokens=config.max_waiting_tokens,
+            priority_range=config.allowed_priorities)
 
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise InvalidRequestError (a ValueError) if the request can never run."""

@@ -86,9 +86,8 @@ class Sequence:
         # rows beside it (set by the scheduler, cleared once the step is done), and the proposer.
         self.draft_token_ids: list[int] = []
         self.draft_state: DraftState | None = None
-        # The LoRA adapter the request names (None: the base model), the slot it holds while
-        # running (0: none, engine/lora/registry.py), and the prefix cache's seed for its
-        # blocks (the adapter's; None: the base model's), so no two adapters share KV.
+        # The LoRA adapter named (None: the base model), the slot it holds while running (0: none),
+        # and its prefix cache seed (None: the base model's): no two adapters share KV blocks.
         self.lora_name: str | None = None
         self.lora_slot = 0
         self.cache_salt: int | None = None

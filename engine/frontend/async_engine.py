@@ -14,15 +14,16 @@ consumer takes every token that arrived since its last wake-up as one chunk.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+import concurrent.futures
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, TypeVar
 
 from engine.frontend.admission import TenantWork, check_waiting_bounds, has_waiting_bounds, retry_after_s
 from engine.config import EngineConfig
 from engine.core.llm_engine import LLMEngine
 from engine.lora.registry import LoraInfo, LoraStats
 from engine.frontend.messages import (
-    AbortRequest, AddRequest, EngineFailed, OutMessage, RequestRejected, StepOutputs,
+    AbortRequest, AddRequest, CallOnLoop, EngineFailed, OutMessage, RequestRejected, StepOutputs,
 )
 from engine.request.constraint import Constraint
 from engine.request.outputs import EngineDeadError, EngineStats, GenerationChunk, ModelInfo
@@ -35,6 +36,8 @@ from engine.frontend.step_loop import StepLoop
 
 if TYPE_CHECKING:  # imported where a constraint first needs it, not with every engine's start
     import xgrammar as xgr
+
+T = TypeVar("T")
 
 
 class AsyncEngine:
@@ -143,6 +146,13 @@ class AsyncEngine:
 
     async def lora_stats(self) -> LoraStats | None:
         return await self.call_on_loop(lambda engine: engine.lora_stats())
+
+    async def call_on_loop(self, fn: Callable[[LLMEngine], T]) -> T:
+        """fn(engine) on the step loop's thread, between two steps, and its result."""
+        self.check_health()  # a dead loop would never answer
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self.step_loop.send(CallOnLoop(fn, done))
+        return await asyncio.wrap_future(done)
 
     def shutdown(self, timeout: float = 5.0) -> None:
         self.step_loop.stop(timeout)

@@ -1,6 +1,6 @@
 """Messages into and out of the step loop thread (engine/frontend/step_loop.py).
 
-In, from any thread through the inbox: AddRequest, AbortRequest, GraphCompiled.
+In, from any thread through the inbox: AddRequest, AbortRequest, CallOnLoop, GraphCompiled.
 Out, called on the event loop of the request(s) they concern: StepOutputs,
 RequestRejected, EngineFailed.
 """
@@ -8,8 +8,10 @@ RequestRejected, EngineFailed.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from engine.request.outputs import EngineDeadError, StepOutput
 from engine.request.sampling_params import SamplingParams
@@ -17,6 +19,8 @@ from engine.request.scheduling import Scheduling
 
 if TYPE_CHECKING:
     import xgrammar as xgr
+
+    from engine.core.llm_engine import LLMEngine
 
 
 @dataclass(frozen=True)
@@ -36,12 +40,22 @@ class AbortRequest:
 
 
 @dataclass(frozen=True)
+class CallOnLoop:
+    """Call `fn(engine)` on the loop thread, between two steps; `done` gets its result or its
+    exception. LoRA adapters load and unload through it (AsyncEngine.add_lora and the like):
+    the slots they take are read by every step."""
+
+    fn: Callable[[LLMEngine], Any]
+    done: concurrent.futures.Future
+
+
+@dataclass(frozen=True)
 class GraphCompiled:
     """The decode graph's background compile has ended: steps take the graph from now on,
     even when none runs until the next request (the log then says when it happened)."""
 
 
-InMessage = AddRequest | AbortRequest | GraphCompiled
+InMessage = AddRequest | AbortRequest | CallOnLoop | GraphCompiled
 
 
 @dataclass(frozen=True)

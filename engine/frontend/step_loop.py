@@ -19,7 +19,7 @@ from engine.core.heap import trim_heap
 from engine.frontend.inbox import Inbox
 from engine.core.llm_engine import LLMEngine
 from engine.frontend.messages import (
-    AbortRequest, AddRequest, EngineFailed, GraphCompiled, InMessage, OutMessage,
+    AbortRequest, AddRequest, CallOnLoop, EngineFailed, GraphCompiled, InMessage, OutMessage,
     RequestRejected, StepOutputs,
 )
 from engine.request.outputs import EngineDeadError, EngineStats, StepOutput
@@ -153,6 +153,11 @@ class StepLoop:
                 self._loops.pop(request_id, None)
             case GraphCompiled():
                 self.engine.take_compiled_graph()
+            case CallOnLoop(fn, done):
+                try:
+                    done.set_result(fn(self.engine))
+                except Exception as exc:  # noqa: BLE001 - the caller's, handed back to it
+                    done.set_exception(exc)
 
     def _publish(self, outputs: list[StepOutput]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list[StepOutput]] = {}

@@ -20,10 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from engine.lora.adapter import MODULE_KINDS
-from engine.model.packed_linear import PackedLinear
 
 
 @dataclass(frozen=True)
@@ -65,11 +63,3 @@ class LoraBatch:
         a = {kind: self.stacks[2 * i][index] for i, kind in enumerate(MODULE_KINDS)}
         b = {kind: self.stacks[2 * i + 1][index] for i, kind in enumerate(MODULE_KINDS)}
         return LayerLora(self.slots, self.mask, a, b)
-
-
-def lora_linear_add(layer: nn.Module, x: torch.Tensor, residual: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-    """residual + (layer(x) + delta), as PEFT and HF's block add them; our few-rows op adds
-    residual + delta in its epilogue."""
-    if isinstance(layer, PackedLinear) and layer.few_rows:
-        return layer.with_epilogue(x, "add", residual + delta)
-    return residual + (layer(x) + delta)

@@ -13,8 +13,8 @@ from transformers import GPT2Config
 
 from engine.model.attention import AttentionMetadata, decode_attention_with_own, paged_attention
 from engine.kernels.native_attention import DecodeAttention
-from engine.lora.lora_linear import LayerLora, LoraBatch, lora_linear_add
-from engine.model.packed_linear import PackedLinear, linear_add, linear_gelu, pack_linears
+from engine.lora.lora_linear import LayerLora, LoraBatch
+from engine.model.packed_linear import PackedLinear, linear_add, linear_gelu, lora_linear_add, pack_linears
 
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 

@@ -144,6 +144,14 @@ def linear_add(layer: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> tor
     return residual + layer(x)
 
 
+def lora_linear_add(layer: nn.Module, x: torch.Tensor, residual: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """residual + (layer(x) + delta), as PEFT and HF's block add them; our few-rows op adds
+    residual + delta in its epilogue."""
+    if isinstance(layer, PackedLinear) and layer.few_rows:
+        return layer.with_epilogue(x, "add", residual + delta)
+    return residual + (layer(x) + delta)
+
+
 def _fuses(layer: nn.Module) -> bool:
     return isinstance(layer, PackedLinear) and (layer.few_rows or torch.compiler.is_compiling())
 
