@@ -11,13 +11,12 @@ ray_actor_options are left to build_app, which decides its GPU.
 from __future__ import annotations
 
 import math
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 import ray
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from ray import serve
 
-from deployments.replicas.cpu_binding import validate_spec
 from deployments.routing.chunk_budget import ChunkBudget
 from deployments.replicas.engine_deployment import EngineDeployment
 from deployments.replicas.engine_runtime import engine_runtime_env
@@ -46,13 +45,6 @@ class AppArgs(BaseModel):
     # Engine replicas where the engine runs on CPU (None: the deployment's own, one); with a
     # GPU each, always the deployment's own. A config file's num_replicas overrides both.
     engine_cpu_replicas: int | None = Field(None, ge=1)
-    # Which cores each engine replica's threads run on, on CPU: nobind, auto (a group of
-    # cores per replica of a node) or lists per local rank, 0-3|4-7 (deployments/replicas/cpu_binding.py).
-    engine_cpu_bind: Annotated[str, AfterValidator(validate_spec)] = "nobind"
-    # The engine replica's process: libraries to preload where present ("tcmalloc", "iomp5",
-    # a path; deployments/replicas/engine_runtime.py) and environment variables (e.g. KMP_AFFINITY).
-    engine_preload: list[str] = Field(default_factory=list)
-    engine_env: dict[str, str] = Field(default_factory=dict)
     # Past this many engine->ingress chunks a second, tokens are packed several per chunk;
     # auto: 50 a CPU of the engine replica's node, None: every token its own chunk
     # (deployments/routing/chunk_budget.py).
@@ -75,13 +67,22 @@ class AppArgs(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _no_ingress_arg(cls, args: Any) -> Any:
-        """The routes always run in the Ingress deployment; a config still choosing where
-        (`ingress: engine` served them in the engine replica) is told so, not ignored."""
-        if isinstance(args, dict) and "ingress" in args:
-            raise ValueError(f"the app arg `ingress: {args['ingress']}` is gone: the HTTP routes always run in "
-                             "their own Ingress deployment (`ingress: engine` is no longer served); delete the arg")
+    def _no_removed_args(cls, args: Any) -> Any:
+        """A config still setting an arg that is gone is told what replaced it, not just that
+        the key is unknown."""
+        for name, instead in _REMOVED_ARGS.items():
+            if isinstance(args, dict) and name in args:
+                raise ValueError(f"the app arg `{name}: {args[name]}` is gone: {instead}; delete the arg")
         return args
+
+
+_REMOVED_ARGS = {
+    "ingress": "the HTTP routes always run in their own Ingress deployment (`ingress: engine` is no longer served)",
+    "engine_cpu_bind": "engine replicas' threads run where the OS schedules them",
+    "engine_preload": "the engine replica preloads no libraries; set LD_PRELOAD in the application's "
+                      "`runtime_env: {env_vars: ...}` to try one",
+    "engine_env": "set environment variables in the application's `runtime_env: {env_vars: ...}`",
+}
 
 
 def build_app(args: dict) -> serve.Application:
@@ -104,7 +105,7 @@ def make_app(args: dict, deployment_options: dict[str, dict] | None = None,
         tokenizer = tokenizer.options(num_replicas=app_args.tokenizer_num_replicas, autoscaling_config=None)
     tokenizer_app = tokenizer.options(**options.get("TokenizerDeployment", {})).bind(
         app_args.model, app_args.tokenizer_max_batch_size, app_args.tokenizer_batch_wait_s)
-    engine_args = (config, app_args.max_chunks_per_s, app_args.engine_cpu_bind)
+    engine_args = (config, app_args.max_chunks_per_s)
     http_args = (app_args.served_model_name or app_args.model, app_args.model, app_args.api_keys,
                  app_args.max_body_bytes, app_args.local_encode_max_chars, app_args.tenant_by_user)
     engine_options = engine_deployment_options(app_args, num_gpus) | options.get("EngineDeployment", {})
@@ -123,7 +124,7 @@ def engine_deployment_options(args: AppArgs, num_gpus: float) -> dict:
 
 def engine_actor_options(args: AppArgs, num_gpus: float) -> dict:
     return {"num_cpus": args.engine_num_cpus, "num_gpus": num_gpus,
-            "runtime_env": engine_runtime_env(args.engine_preload, args.engine_env)}
+            "runtime_env": engine_runtime_env()}
 
 
 def engine_config(args: AppArgs, num_gpus: float) -> EngineConfig:

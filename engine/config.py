@@ -46,10 +46,6 @@ class EngineConfig:
     # says oneDNN runs this dtype (engine/model/packed_linear.py); reference: F.linear everywhere,
     # the path that is token-exact with Hugging Face in fp32.
     linears: LinearsMode = "auto"
-    # Decode attention through a torch.compile'd kernel that reads the paged pools in place
-    # (engine/model/attention.py decode_attention). Off by default: the first step compiles for
-    # tens of seconds in every process that runs an engine.
-    compile_attention: bool = False
     # Decode steps (and short steps with prefill chunks: graph_prefill_tokens) through one
     # torch.compile'd graph of the whole forward with the weights frozen in
     # (engine/model/decode_graph.py), on the same linears as the eager steps. The graph compiles while

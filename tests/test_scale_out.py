@@ -67,11 +67,10 @@ WORK_ROUTER = {**ROUTER, "request_router_kwargs": {"load_bound_eps": EPS, "key_b
                                                    "decode_token_cost": DECODE_TOKEN_COST}}
 
 
-def app_args(tiny_gpt2_dir: Path, load_log_dir: Path | None = None) -> dict:
-    """The app's arguments; with load_log_dir, its engine replicas log their load there."""
-    engine_env = {LOAD_LOG_DIR_ENV: str(load_log_dir)} if load_log_dir else {}
+def app_args(tiny_gpt2_dir: Path) -> dict:
+    """The app's arguments."""
     return {"model": str(tiny_gpt2_dir), "served_model_name": "tiny", "dtype": "float32",
-            "engine_num_cpus": 0.4, "tokenizer_num_replicas": 1, "engine_cpu_bind": "auto", "engine_env": engine_env,
+            "engine_num_cpus": 0.4, "tokenizer_num_replicas": 1,
             "engine": {"num_kv_blocks": 640, "max_num_seqs": 32, "max_num_batched_tokens": 512, "compile_decode": False}}
 
 
@@ -82,13 +81,14 @@ def app_config(tiny_gpt2_dir: Path, load_log_dir: Path, num_replicas: int, route
     engine = {"name": "EngineDeployment", "num_replicas": num_replicas, "request_router_config": router,
               "graceful_shutdown_timeout_s": 5}
     return {"name": APP, "route_prefix": "/", "import_path": "bench.scale.load_log:build_app",
-            "args": app_args(tiny_gpt2_dir, load_log_dir), "deployments": [engine]}
+            "runtime_env": {"env_vars": {LOAD_LOG_DIR_ENV: str(load_log_dir)}},  # its engine replicas log there
+            "args": app_args(tiny_gpt2_dir), "deployments": [engine]}
 
 
 @pytest.fixture(scope="module")
 def load_log_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Engine replicas log their load here (bench/scale/load_log.py), told by their
-    environment (app_args' engine_env)."""
+    environment (the application's runtime_env)."""
     return tmp_path_factory.mktemp("load-logs")
 
 

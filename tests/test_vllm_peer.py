@@ -118,7 +118,7 @@ def test_the_peer_table_config_serves_the_checkpoint_and_sets_the_engine_env(tmp
     assert app["args"]["model"] == str(tmp_path.resolve()) and app["args"]["weights"] == "pretrained"
     assert app["args"]["engine"]["num_threads"] == 1
     assert app["args"]["engine"]["max_num_seqs"] == 48  # the file's other engine keys stay
-    assert app["args"]["engine_env"] == {"KMP_BLOCKTIME": "1"}
+    assert app["runtime_env"]["env_vars"] == {"KMP_BLOCKTIME": "1"}
     engine = next(d for d in app["deployments"] if d["name"] == "EngineDeployment")
     assert "ray_actor_options" not in engine  # build_app's, with the replica's own variables
     yaml.safe_dump(config)  # what serve run reads

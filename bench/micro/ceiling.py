@@ -3,7 +3,7 @@ the model's matmuls alone at the same batch, side by side in one run; then one d
 of the whole batch, and one sequence's time per token, against their matmuls alone.
 
     python -m bench.micro.ceiling --dtype float32 --num-requests 32 --prompt-len 16 --max-tokens 64
-    python -m bench.micro.ceiling --dtype bfloat16 --linears auto --compile-attention --compile-decode
+    python -m bench.micro.ceiling --dtype bfloat16 --linears auto --compile-decode
     python -m bench.micro.ceiling --dtype bfloat16 --linears auto --compile-decode --compiled-only \
         --decode-attention native torch
 
@@ -94,8 +94,6 @@ def median_run(runs: list[Result]) -> Result:
 def variants(args: argparse.Namespace) -> list[tuple[str, dict]]:
     """(label, EngineConfig fields) of each engine run, in order."""
     runs = [] if args.compiled_only else [(f"linears={linears}", {"linears": linears}) for linears in args.linears]
-    if args.compile_attention:
-        runs.append(("linears=auto, compiled attention", {"linears": "auto", "compile_attention": True}))
     if args.compile_decode:  # one per --linears: the graph runs the engine's own linears
         runs += [(f"compiled decode graph, linears={linears}" + ("" if attention == "auto" else f", {attention} attention"),
                   {"linears": linears, "compile_decode": True, "decode_attention": attention})
@@ -106,9 +104,6 @@ def variants(args: argparse.Namespace) -> list[tuple[str, dict]]:
 def warm_up(engine: LLMEngine, prompts: list[list[int]]) -> None:
     """Compile (where the engine compiles) for the shapes the timed runs meet, outside them."""
     run_engine(engine, prompts[:4], 4, "warm-up")
-    if engine.config.compile_attention:
-        run_engine(engine, prompts, 3, "warm-up")
-        run_engine(engine, prompts[:1], 20, "warm-up")
 
 
 def parse_args() -> argparse.Namespace:
@@ -119,7 +114,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--linears", nargs="*", default=["auto", "reference"], help="engine variants to run")
-    parser.add_argument("--compile-attention", action="store_true", help="also run linears=auto with compiled decode attention")
     parser.add_argument("--compile-decode", action="store_true", help="also run the compiled decode graph (compile_decode)")
     parser.add_argument("--compiled-only", action="store_true", help="with --compile-decode: leave out the eager engine rows")
     parser.add_argument("--decode-attention", nargs="+", default=["auto"],

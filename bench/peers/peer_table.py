@@ -110,15 +110,16 @@ def _with_cpu(label: str, cpu: dict, run: Callable[[], BenchResult]) -> BenchRes
 
 def serve_config(base: Path, checkpoint: Path, dtype: str, app_args: dict, engine_env: dict[str, str]) -> dict:
     """`base` with its first application serving `checkpoint`'s weights in `dtype`, and
-    `engine_env` in the engine replica's runtime_env."""
+    `engine_env` in the application's runtime_env."""
     config = yaml.safe_load(base.read_text(encoding="utf-8"))
     app = config["applications"][0]
     args = app["args"]
     args.update(model=str(checkpoint.resolve()), weights="pretrained", dtype=dtype)
     for key, value in app_args.items():  # one level deep: {"engine": {...}} keeps the file's other engine keys
         args[key] = args.get(key, {}) | value if isinstance(value, dict) else value
-    if engine_env:  # build_app puts them in the engine's runtime_env, over its own variables
-        args["engine_env"] = args.get("engine_env", {}) | engine_env
+    if engine_env:  # Serve merges them with the engine replica's own variables
+        runtime_env = app.setdefault("runtime_env", {})
+        runtime_env["env_vars"] = runtime_env.get("env_vars", {}) | engine_env
     return config
 
 
@@ -234,7 +235,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--config", type=Path, default=Path("configs/gpt2.yaml"), help="rayinfer's Serve config")
     parser.add_argument("--app-args", default="{}", help="JSON merged into the app's args, e.g. a design to try")
     parser.add_argument("--engine-env", default="{}",
-                        help="JSON env vars for the engine replica's runtime_env, e.g. an LD_PRELOAD to try")
+                        help="JSON env vars for the app's runtime_env (its engine replica reads them), e.g. an LD_PRELOAD to try")
     parser.add_argument("--skip-offline", action="store_true", help="HTTP rows only (quicker design trials)")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--streams", type=int, default=32)

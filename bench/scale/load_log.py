@@ -4,8 +4,8 @@ product's engine deployment logs nothing of the kind.
 
     import_path: bench.scale.load_log:build_app   (the app of deployments.app, these replicas in it)
 
-With RAYINFER_LOAD_LOG_DIR=<dir> in an engine replica's environment (`engine_env`, or the
-environment Ray starts with), it appends every change of its open requests, and the work each
+With RAYINFER_LOAD_LOG_DIR=<dir> in an engine replica's environment (the application's
+`runtime_env: {env_vars: ...}`, or the environment Ray starts with), it appends every change of its open requests, and the work each
 asks of it, to <dir>/<replica id>.log; its routing stats also count the requests it took.
 """
 

@@ -15,11 +15,9 @@ from typing import TYPE_CHECKING
 
 import psutil
 from ray import serve
-from ray.serve.schema import ReplicaRank
 
 from deployments.routing import chunk_budget
 from deployments.routing.chunk_budget import ChunkBudget
-from deployments.replicas.cpu_binding import ReplicaCores
 from deployments.api.engine_client import EngineStatus
 from deployments.routing.engine_load import EngineLoad
 from deployments.observability.logs import quiet_answered_refusals, route_logs_to_serve
@@ -45,14 +43,12 @@ logger = logging.getLogger("ray.serve")  # the replica's log file
     logging_config={"enable_access_log": False},
 )
 class EngineDeployment:
-    def __init__(self, config: EngineConfig, max_chunks_per_s: ChunkBudget = "auto", cpu_bind: str = "nobind") -> None:
+    def __init__(self, config: EngineConfig, max_chunks_per_s: ChunkBudget = "auto") -> None:
         route_logs_to_serve("engine")
         quiet_answered_refusals()
-        chunks_per_s = chunk_budget.resolve(max_chunks_per_s)  # before binding narrows this process's CPUs
+        chunks_per_s = chunk_budget.resolve(max_chunks_per_s)
         logger.info("streaming at most %s chunks/s across all streams (max_chunks_per_s: %s)", chunks_per_s,
                     max_chunks_per_s)
-        self._cores = ReplicaCores(cpu_bind if config.device == "cpu" else "nobind", config.cpu_threads)
-        self._cores.follow(serve.get_replica_context().rank.local_rank)  # before the engine's threads start
         # Imported here, not with the module: the app's build imports this file, and needs no torch.
         with progress("importing torch and the engine"):
             from engine import AsyncEngine
@@ -69,11 +65,6 @@ class EngineDeployment:
         async with contextlib.aclosing(chunks):
             async for chunk in chunks:
                 yield chunk
-
-    def reconfigure(self, user_config: None, rank: ReplicaRank) -> None:
-        """Serve calls this once the replica is up, and whenever it gives the replica a new
-        rank (with `rank` in the signature, a deployment without a user_config gets the call)."""
-        self._cores.follow(rank.local_rank)
 
     def model_info(self) -> ModelInfo:
         return self._engine.model_info

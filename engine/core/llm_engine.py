@@ -337,7 +337,7 @@ class LLMEngine:
         compiled_draw = graph is not None and config.torch_device.type == "cpu"
         sampler = Sampler(config.seed, config.torch_device, compiled=compiled_draw, native=native_draw)
         prefill_tokens = CudaGraphDecode.max_prefill_tokens if graphed else config.graph_prefill_tokens
-        return ModelRunner(model, num_blocks, config.block_size, sampler, config.compile_attention, graph,
+        return ModelRunner(model, num_blocks, config.block_size, sampler, graph,
                            prefill_tokens)
 
     def take_compiled_graph(self) -> None:

@@ -50,12 +50,11 @@ def _num_sampled_rows(seq: Sequence) -> int:
 
 class ModelRunner:
     def __init__(self, model: GPT2LMHead, num_blocks: int, block_size: int, sampler: Sampler,
-                 fused_decode: bool = False, decode_graph: DecodeGraph | CudaGraphDecode | None = None, graph_prefill_tokens: int = 0):
+                 decode_graph: DecodeGraph | CudaGraphDecode | None = None, graph_prefill_tokens: int = 0):
         self.model = model
         self.decode_graph = decode_graph
         self.graph_prefill_tokens = graph_prefill_tokens  # EngineConfig's
         self.block_size = block_size
-        self.fused_decode = fused_decode
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         config = model.config
@@ -190,7 +189,6 @@ class ModelRunner:
             num_decodes=num_decodes,
             decode=self._decode_group(seqs[:num_decodes]) if num_decodes else None,
             prefill=self._prefill_group(seqs[num_decodes:], num_new[num_decodes:], num_decodes) if num_decodes < len(seqs) else None,
-            fused_decode=self.fused_decode,
             native_write=self.decode_graph is not None and self.decode_graph.native_write,
         )
 

@@ -14,12 +14,10 @@ pads every decode up to its length.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 
-from engine.kernels.inductor import compile_for
 
 
 @dataclass
@@ -38,7 +36,6 @@ class AttentionMetadata:
     num_decodes: int
     decode: AttentionGroup | None
     prefill: AttentionGroup | None
-    fused_decode: bool = False  # decodes attend through the compiled kernel (compile_attention)
     native_write: bool = False  # k, v written by our C++ copy (engine/kernels/csrc/kv_write.cpp): it is built
 
 
@@ -80,29 +77,14 @@ def paged_attention(
 
 def _attend_decodes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
     """q: [B, H, D], one query per sequence -> [B, H, D]."""
-    group = meta.decode
-    if meta.fused_decode:
-        return compiled_decode_attention()(q, k_cache, v_cache, group.block_tables, group.mask[:, 0])
-    return _attend(q.unsqueeze(1), k_cache, v_cache, group).squeeze(1)
-
-
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                     mask: torch.Tensor) -> torch.Tensor:
-    """q: [B, H, D], mask: [B, max_blocks * block_size] -> [B, H, D].
-
-    Written as products and sums rather than matmuls so that inductor fuses the block-table
-    lookup into both reductions: compiled, it reads the pools in place and never
-    materialises the gathered blocks that _attend copies for every layer.
-    """
-    queries = q.transpose(0, 1).float()  # [H, B, D]
-    probs = _cached_scores(queries, k_cache, block_tables, mask).softmax(dim=-1)
-    return _weighted_values(probs, v_cache, block_tables).to(q.dtype).transpose(0, 1)
+    return _attend(q.unsqueeze(1), k_cache, v_cache, meta.decode).squeeze(1)
 
 
 def decode_attention_with_own(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                               v_cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
                               first_rows: torch.Tensor | None = None) -> torch.Tensor:
-    """decode_attention for queries whose own k, v [B, H, D] are not in the pools yet: each
+    """Decode attention that reads the paged pools in place, for queries [B, H, D] whose own
+    k, v [B, H, D] are not in the pools yet: each
     attends to its context_lens [B] cached tokens and to its own key; with first_rows [B], row
     b also attends to the keys of this step's rows first_rows[b]..b (a prefill chunk's rows
     before it, causal). The signature of torch.ops.rayinfer.decode_attention
@@ -143,12 +125,6 @@ def _weighted_values(probs: torch.Tensor, v_cache: torch.Tensor, block_tables: t
     """float32 [H, B, D]: each row's blocks of values weighted by probs [H, B, L]."""
     values = v_cache[:, block_tables].flatten(2, 3)  # [H, B, L, D]
     return (probs.unsqueeze(-1) * values.float()).sum(2)
-
-
-@functools.cache
-def compiled_decode_attention():
-    """Compiled at the first call (tens of seconds), then reused for every shape (dynamic)."""
-    return compile_for(torch.device("cpu"), decode_attention, dynamic=True)
 
 
 def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
