@@ -57,12 +57,12 @@ class EngineConfig:
     # On CUDA, steps of one-token rows (decodes) replayed from CUDA graphs captured before the
     # engine serves, one per bucket of rows and block-table width (engine/model/cuda_graphs.py);
     # other steps run eagerly. With compile_decode (auto on CUDA: on) the graphs hold the
-    # compiled step, Triton kernels for the fused pieces (BENCHMARKS.md, engine offline: GPU).
+    # compiled step, Triton kernels for the fused pieces.
     # auto: on CUDA (vLLM's default; false is its enforce_eager); true: the same, and an
     # error off CUDA.
     cuda_graphs: bool | Literal["auto"] = "auto"
     # The compiled decode graph's attention. native: our C++ kernel (engine/kernels/native_attention.py,
-    # built once per machine for the probed ISA, ~10 s); torch: the same math as a PyTorch
+    # built once per machine for the probed ISA); torch: the same math as a PyTorch
     # expression inductor compiles; auto: where ours builds, the faster of the two, measured on
     # this machine before the graph compiles (engine/core/tuner.py; cached), else torch, logged.
     decode_attention: KernelChoice = "auto"
@@ -70,9 +70,7 @@ class EngineConfig:
     # long ones, beside decodes) take the compiled graph too, its attention reading each
     # chunk's rows causally; longer ones, and steps that score prompt logprobs, run eagerly.
     # 0: decode-only steps alone. Past 64 rows (our C++ linears' limit) the graph runs oneDNN's
-    # products as eager steps do and still wins up to 128; a long prompt's 128-token chunks
-    # on it now prefill as fast as eager's one step, or faster (BENCHMARKS.md, "Designs shipped":
-    # prefills on the compiled graph).
+    # products as eager steps do, and 128 is where it stops beating the eager step.
     graph_prefill_tokens: int = 128
     # The sampler's draw (argmax and an inverse-CDF draw per row). native: our C++ kernel
     # (engine/kernels/csrc/sampling.cpp, built with decode_attention's); torch: torch ops, compiled
@@ -83,8 +81,8 @@ class EngineConfig:
     # memory): in bf16 on AVX-512 BF16, steps of 1 to 64 rows on the weights in panels
     # (engine/kernels/csrc/blocked_linear.cpp); in fp32 on the AVX2 build, the same on fp32 panels
     # (engine/kernels/csrc/blocked_linear_f32.cpp); elsewhere, steps of one to three rows on the plain
-    # weights (engine/kernels/csrc/small_linear.cpp; the decode graph pads one row to two). Measured:
-    # BENCHMARKS.md, "Designs shipped": linears. torch: oneDNN's product for every step (an
+    # weights (engine/kernels/csrc/small_linear.cpp; the decode graph pads one row to two): oneDNN
+    # is slow on so few rows. torch: oneDNN's product for every step (an
     # opaque op in the decode graph: engine/kernels/onednn_linear.py). auto: ours on CPU where
     # the linears are packed and they build, up to the row count where oneDNN's gets faster,
     # measured on this machine with the decode graph's compile (engine/core/tuner.py; cached);
@@ -99,9 +97,8 @@ class EngineConfig:
     max_num_seqs: int = 64
     # Prefill + decode tokens per step. auto: on CPU with the decode graph, the graph's bound
     # (graph_prefill_tokens, at least max_num_seqs), so that every step takes it and a wave of
-    # new prompts is prefilled in groups whose first tokens come a group at a time
-    # (BENCHMARKS.md, "Designs shipped": prefills on the compiled graph); else 512 (or max_num_seqs,
-    # if more).
+    # new prompts is prefilled in groups whose first tokens come a group at a time; else 512
+    # (or max_num_seqs, if more).
     max_num_batched_tokens: int | Literal["auto"] = "auto"
     max_model_len: int | None = None  # defaults to the model's n_positions
     enable_prefix_caching: bool = True
@@ -123,8 +120,7 @@ class EngineConfig:
     # Steps of at most this many tokens (one stream's decodes) run on one torch thread, the
     # rest on num_threads: in a server the other processes on the engine's cores stall a
     # small step's OpenMP barriers more than a second thread speeds it up, in bf16; in fp32,
-    # twice the bytes a step, the second thread wins (engine/core/step_threads.py; BENCHMARKS.md,
-    # "Designs shipped": one thread for one-token steps).
+    # twice the bytes a step, the second thread wins (engine/core/step_threads.py).
     # 0: every step on num_threads; auto: measured on this machine with the decode graph's
     # compile (engine/core/tuner.py; cached): the largest step one thread runs at most 30%
     # slower than num_threads; until then, and without the graph, 1 on CPU in bf16, else 0.
@@ -226,8 +222,8 @@ class EngineConfig:
     def decode_compiled(self) -> bool:
         """Whether decode steps run through the compiled graph (compile_decode resolved)."""
         if self.compile_decode == "auto":
-            # On CUDA only inside CUDA graphs: launched from Python, inductor's kernels lost to
-            # the eager step at 32 sequences (BENCHMARKS.md, engine offline: GPU).
+            # On CUDA only inside CUDA graphs: launched from Python, inductor's kernels are
+            # slower than the eager step.
             return self.torch_device.type == "cpu" or self.cuda_graphs is not False
         return bool(self.compile_decode)
 

@@ -2,9 +2,7 @@
 the tokenizer deployment.
 
 Encoding a short prompt costs the ingress less than the hop to the tokenizer replica, which
-also adds to a stream's time to first token (BENCHMARKS.md, "Designs shipped": short prompts
-encoded in the routes' replica). Long prompts
-still go to the tokenizer deployment, which scales out on its own, so that no request holds
+also adds to a stream's time to first token. Long prompts still go to the tokenizer deployment, which scales out on its own, so that no request holds
 the ingress's event loop for long: the bound counts all of a request's prompts together.
 """
 
@@ -21,7 +19,7 @@ from deployments.api.errors import as_api_error, bad_request
 from deployments.observability.metrics import TokenizerMetrics
 
 
-DEFAULT_LOCAL_MAX_CHARS = 2048  # ~0.7 ms to encode in the ingress (BENCHMARKS.md, "Designs shipped")
+DEFAULT_LOCAL_MAX_CHARS = 2048  # short enough that encoding it holds the ingress's loop less than a hop costs
 
 
 @dataclass(frozen=True)

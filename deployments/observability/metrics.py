@@ -23,8 +23,8 @@ _LATENCY_BUCKETS_S = [0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30, 6
 _TPOT_BUCKETS_S = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28]
 _BATCH_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128]
 # Ray rebuilds a histogram's observations from its buckets' midpoints (its OpenTelemetry
-# recorder), so `_sum / _count` is only as fine as the buckets: steps run 1-40 ms on the
-# machines measured, where these are 1.25-1.5x apart.
+# recorder), so `_sum / _count` is only as fine as the buckets: these are close (1.25-1.5x
+# apart) over the range a step's time falls in.
 _STEP_BUCKETS_S = [0.0005, 0.001, 0.0015, 0.002, 0.003, 0.004, 0.005, 0.006, 0.008, 0.01, 0.0125, 0.015, 0.0175,
                    0.02, 0.025, 0.03, 0.035, 0.04, 0.05, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5]
 _STEP_TOKEN_BUCKETS = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 1024, 2048, 4096, 8192]

@@ -39,7 +39,7 @@ logger = logging.getLogger("ray.serve")  # the replica's log file
     max_ongoing_requests=256,  # continuous batching wants every stream in the engine at once
     max_queued_requests=64,  # past it the ingress's handle raises BackPressureError: a 429
     graceful_shutdown_timeout_s=30,
-    health_check_period_s=2,  # how soon Serve notices a dead replica (RELIABILITY.md)
+    health_check_period_s=2,  # how soon Serve notices a dead replica and starts another
     logging_config={"enable_access_log": False},
 )
 class EngineDeployment:

@@ -28,7 +28,7 @@ from engine.request.detokenizer import TokenVocab
 
 # The routes, and the routers of the handles they call, run on the replica's own event
 # loop rather than on a loop in a thread each: two thread hops less for every chunk
-# relayed from the engine to the proxy (BENCHMARKS.md, "Designs shipped": event loops and handles).
+# relayed from the engine to the proxy.
 # The routes never block the loop (long prompts are tokenized in the tokenizer deployment,
 # the model steps in the engine).
 # A config file's ray_actor_options for Ingress replace this whole dict, so

@@ -5,11 +5,9 @@ tokens a chunk, k the smallest count that keeps all streams under the budget at 
 step rate, and never for a stream's first token. Relaying a chunk costs about the same CPU
 whatever it holds (the engine replica sends it, the ingress renders it, the proxy writes
 it), so the budget that leaves the engine its cores scales with the node's CPUs: `auto` is
-CHUNKS_PER_S_PER_CPU for each CPU this process may run on: 100 chunks a second on 2 cores,
-where it bought 32 streams more tokens a second than 300 did, at the cost of a stream hearing
-from the server a few times a second rather than about ten; a stream alone, at GPT-2-small's
-step rate there (under 100 a second), still gets every token as it comes
-(BENCHMARKS.md, "Designs shipped": chunk budget).
+CHUNKS_PER_S_PER_CPU for each CPU this process may run on. It trades how often a stream
+hears from the server (a few times a second under load) for the engine's tokens a second; a
+stream alone, whose steps come slower than the budget, still gets every token as it comes.
 """
 
 from __future__ import annotations

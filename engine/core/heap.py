@@ -1,5 +1,5 @@
-"""Keeping the engine's resident memory flat under varied traffic (the measurements are in
-RELIABILITY.md). Resident memory grows for two reasons, neither a leak:
+"""Keeping the engine's resident memory flat under varied traffic. Resident memory grows for
+two reasons, neither a leak:
 
 - Two caches keyed by matmul shape, 1024 entries each by default: oneDNN's compiled
   primitives (ONEDNN_PRIMITIVE_CACHE_CAPACITY) and, in front of it, the LRU of PyTorch's

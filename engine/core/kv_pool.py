@@ -4,14 +4,13 @@ huge pages where the OS allows them.
 A decode step reads each sequence's blocks wherever the block manager put them: for GPT-2
 small, 12 layers × 2 × 12 heads × a few blocks of 2 KB per sequence, each block on a page of
 its own. With 4 KB pages nearly every block read is a TLB miss and a page walk; with 2 MB
-pages the blocks of a head share a handful of pages (BENCHMARKS.md, "Designs shipped": around the
-decode graph).
+pages the blocks of a head share a handful of pages.
 Only the pool is advised, not the process (PyTorch's THP_MEM_ALLOC_ENABLE would advise every
 allocation of 2 MB or more).
 
 The pool is an anonymous mapping of its own, which the kernel hands out zeroed, page by page
-at each page's first touch: zeroing gigabytes up front was seconds of an engine's start (more
-on a busy machine), now spread over the steps that first use each 2 MB of blocks. Zero
+at each page's first touch: zeroing gigabytes up front would hold up the engine's start, so
+it is spread over the steps that first use each 2 MB of blocks. Zero
 matters: attention reads a block's unwritten slots, masked out, and a NaN there would not
 stay masked (0 x NaN). The allocator's memory would be zero only where it maps it afresh.
 """

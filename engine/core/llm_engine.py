@@ -332,7 +332,7 @@ class LLMEngine:
             graph = DecodeGraph(model, config.torch_device, decode_attention(config, hf.n_embd // hf.n_head),
                                 argmax_in_graph=native_draw is None, lora=None if self.loras is None else self.loras.slots)
         # On CUDA the draw stays eager: ATen's argmax, sort and cumsum are GPU kernels already,
-        # and inductor (torch 2.11, H100) cannot generate the compiled draw: it fuses the argmax
+        # and inductor cannot generate the compiled draw for CUDA: it fuses the argmax
         # into the cumsum's split-scan kernel ("NYI TritonSplitDimKernel reductions").
         compiled_draw = graph is not None and config.torch_device.type == "cpu"
         sampler = Sampler(config.seed, config.torch_device, compiled=compiled_draw, native=native_draw)

@@ -3,11 +3,11 @@ tokens, the engine's `cpu_threads` for the rest.
 
 Why: in a server the engine's cores are shared with the path to the client (Ray's proxy,
 the ingress, the replica's own event loop and core-worker threads). A decode step of one
-row is a few milliseconds of bandwidth-bound work on small matrices; split over two
+row is short, bandwidth-bound work on small matrices; split over two
 OpenMP threads, every barrier in it waits whenever the other processes preempt one of
 them, and the threads' spinning between steps takes the core those processes need. Over
 HTTP one thread wins for a bf16 stream alone, though it is slower offline; in fp32 the
-second thread is worth more (BENCHMARKS.md, "Designs shipped": one thread for one-token steps).
+second thread is worth more, as each step moves twice the bytes.
 `auto`, the default everywhere, the offline `LLM` included, is measured on the machine
 (engine/core/tuner.py), which sets one_thread_max_tokens here once it has. 0 keeps every
 step on every thread.

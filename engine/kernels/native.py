@@ -121,7 +121,7 @@ def _sources_in(build_dir: Path) -> list[str]:
     rewritten only where its bytes changed. Ninja keys each object on its compile command,
     which names the source's path: built from the checkout, the same kernels loaded from
     another clone (CI's clean clone, a second worktree) were all compiled again, and again
-    on the way back (~30-45 s an ISA on 2 cores)."""
+    on the way back: a full build per ISA each time."""
     copies = build_dir / "src"
     copies.mkdir(exist_ok=True)
     for source in kernel_sources.csrc(PACKAGE).iterdir():

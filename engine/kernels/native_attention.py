@@ -4,8 +4,8 @@ for the rows of prefill chunks, each attending causally to its chunk's rows befo
 
 Why a kernel of our own: inductor's code for the same expression (engine/model/attention.py
 decode_attention_with_own) reduces every key's dot product across vector lanes inside
-several barriers, and runs at half the pools' memory bandwidth on this model's decode step
-(BENCHMARKS.md, "Designs shipped": our decode attention). The kernel reads each sequence's blocks
+several barriers, and falls well short of the pools' memory bandwidth on this model's decode
+step. The kernel reads each sequence's blocks
 in place, like vLLM's CPU paged attention; a long prefill chunk's rows share their keys, and
 it takes them in tiles of rows (engine/kernels/csrc/chunk_attention.h).
 """

@@ -4,7 +4,7 @@ graph calls as an extern kernel.
 
 Why: inductor lowers `mkldnn._linear_pointwise` itself, and in bf16 the lowering asserts on a
 prepacked weight that is a graph input rather than a constant it packed (LoweringException:
-AssertionError), so a decode graph on oneDNN's linears fell back to eager. Through a custom
+AssertionError), so a decode graph on oneDNN's linears would fall back to eager. Through a custom
 op inductor only calls it; the weights stay the graph's inputs, which keeps the graph in
 inductor's disk cache. Eager steps call oneDNN directly: the custom op's Python dispatch costs
 a few microseconds a call, and a step makes ~50.

@@ -42,8 +42,7 @@ class AttentionMetadata:
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
              native: bool = False) -> None:
     """k, v: [T, H, D] written to their slots; `native`: over torch's threads by our C++ copy,
-    where index_copy_ copies on one (a long prefill's writes: BENCHMARKS.md, "Designs shipped": around
-    the decode graph)."""
+    where index_copy_ copies on one (a long prefill's writes are worth spreading)."""
     num_heads, _, _, head_dim = k_cache.shape
     for new, cache in ((k, k_cache), (v, v_cache)):
         rows, by_head = cache.view(num_heads, -1, head_dim), new.transpose(0, 1)
@@ -131,8 +130,7 @@ def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group
     """q: [B, Q, H, D] -> [B, Q, H, D], each row attending to its own blocks.
 
     Plain matmuls with a float32 softmax: on CPU, SDPA's kernel is slower for short queries
-    against a mask (BENCHMARKS.md, "Designs shipped": around the decode graph), and these run
-    unchanged on CUDA.
+    against a mask, and these run unchanged on CUDA.
     """
     keys = _gather(k_cache, group.block_tables)  # [H, B, L, D]
     values = _gather(v_cache, group.block_tables)
@@ -146,7 +144,7 @@ def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
     """The blocks of each row, concatenated: [H, B, max_blocks * block_size, D].
 
     index_select copies whole blocks as rows, where advanced indexing goes element by
-    element on CPU (BENCHMARKS.md, "Designs shipped": around the decode graph).
+    element on CPU.
     """
     num_heads, num_blocks, block_size, head_dim = cache.shape
     batch, width = block_tables.shape

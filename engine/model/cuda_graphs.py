@@ -1,6 +1,6 @@
 """Decode steps on CUDA replayed from CUDA graphs (`cuda_graphs`), as vLLM's CUDA path runs
 them. Eager, a step at a few sequences is mostly Python launching the forward's small
-kernels while the GPU idles (BENCHMARKS.md, engine offline: GPU); a replay launches them all at once.
+kernels while the GPU idles; a replay launches them all at once.
 
 A graph records fixed shapes and addresses, so the steps are bucketed: one graph per (rows,
 block-table width) bucket, captured before the engine serves, all reading the same static

@@ -11,9 +11,8 @@ in the pool's head-major order, and one copy writes them all after it (a write p
 pool costs more in dispatch than in bytes): our C++ one where our attention kernel runs,
 index_copy_, which copies on one thread, otherwise. So the compiled code never copies or
 mutates the pool, and a warm-up call leaves no trace. Its logits stay in the model's dtype:
-converting a bf16 batch's to float32 in the graph cost more than our C++ sampler's reading
-bf16 as it is (BENCHMARKS.md, "Designs shipped": around the decode graph); what else reads them
-converts the rows it reads.
+converting a bf16 batch's to float32 in the graph costs more than our C++ sampler's reading
+bf16 as it is; what else reads them converts the rows it reads.
 Where the sampler is torch's, the graph also returns each row's greedy token
 (`argmax_in_graph`), as ATen's argmax over the vocabulary is a slow, unvectorised pass.
 
@@ -102,8 +101,7 @@ class DecodeGraph:
         self.attention = attention
         self.native_write = attention is not decode_attention_with_own  # our kernels are built: write with ours too
         step = functools.partial(decode_step, self._model, attention, self._argmax)
-        # On CPU the kernels are called from C++, not Python
-        # (BENCHMARKS.md, "Designs shipped": around the decode graph).
+        # On CPU the kernels are called from C++, not Python: a step's dispatch costs less.
         freezing = any(isinstance(module, nn.Linear) for module in self._model.modules())  # inductor packs only constants
         self._compiled = compile_for(self._device, step, dynamic=True, freezing=freezing,
                                      cpp_wrapper=self._device.type == "cpu")

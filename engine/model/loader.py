@@ -114,9 +114,8 @@ def load_tokenizer(model: str) -> transformers.PreTrainedTokenizerBase:
     directory = _tokenizer_dir(model)
     if directory is not None and _names_gpt2_tokenizer(directory):
         # The class itself where the files name it: AutoTokenizer imports transformers'
-        # model configs and with them torch, which a tokenizer replica has no use for
-        # (half its memory, and a quicker start: BENCHMARKS.md, "Designs shipped": tokenizer and Ingress
-        # replicas without torch).
+        # model configs and with them torch, which a tokenizer replica has no use for (torch
+        # is most of its memory and its start).
         return transformers.GPT2Tokenizer.from_pretrained(directory)
     if directory is not None:
         return transformers.AutoTokenizer.from_pretrained(directory)

@@ -5,8 +5,7 @@ once at load gives bit-identical products, cheaper. This is the op PyTorch's own
 emits for frozen CPU linears. oneDNN runs bf16 only on AVX-512 BW/VL/DQ or newer.
 
 fp32: `F.linear` runs MKL's sgemm, which is not faster than oneDNN's prepacked fp32 kernels
-at the row counts a step runs (BENCHMARKS.md, "Designs shipped": linears), on AVX2 as on
-AVX-512. The two round differently, so fp32 packing is not bit-identical: `linears:
+at the row counts a step runs, on AVX2 as on AVX-512. The two round differently, so fp32 packing is not bit-identical: `linears:
 reference` keeps F.linear, the path that is token-exact with Hugging Face.
 """
 
@@ -37,7 +36,7 @@ class PackedLinear(nn.Module):
     AVX-512 BF16, the weight in panels (`panels`) and steps of 1 to 64 rows on
     engine/kernels/csrc/blocked_linear.cpp; in fp32 on AVX2, the same on
     engine/kernels/csrc/blocked_linear_f32.cpp; elsewhere, the plain weight and steps of
-    one to three rows (BENCHMARKS.md, "Designs shipped": linears). `max_rows` caps the rows
+    one to three rows. `max_rows` caps the rows
     our op takes (more go to oneDNN's): -1, the kernel's own limit, until the tuner
     (engine/core/tuner.py) has measured where the two cross on this CPU; 0, oneDNN's always.
     Without `few_rows` every step runs oneDNN's product (engine/kernels/onednn_linear.py).
@@ -91,8 +90,8 @@ F32_PANEL = 16  # fp32 output features a panel on the AVX2 build: two 8-lane vec
 def in_panels(weight: torch.Tensor) -> bool:
     """Whether our kernel takes this weight in panels: bf16 with an even number of inputs (a
     dot product takes them in pairs), on a CPU with AVX-512 BF16 and kernels built for it;
-    fp32 where the kernels are built for AVX2 (on AVX-512, oneDNN's fp32 is as fast from three
-    rows on, as the same kernel built for AVX-512 showed: BENCHMARKS.md, "Designs shipped": linears)."""
+    fp32 where the kernels are built for AVX2 (on AVX-512, oneDNN's fp32 is as fast as ours
+    from three rows on)."""
     if weight.dtype == torch.float32:
         return native.isa_build() == "avx2"
     return (weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0 and cpu_features().avx512_bf16

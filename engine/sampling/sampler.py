@@ -7,8 +7,8 @@ temperature, filtered by min_p (tokens less likely than min_p x the row's most l
 then by top-k and top-p (only when some row asks for it, over its 1024 most likely tokens
 where they hold the mass asked for), and sampled by inverting their CDF: one uniform draw
 per row, found in the row's cumulative sum. That is one random number per row where an
-exponential race (or torch.multinomial) draws one per vocabulary entry, which once took
-half the engine's step time on CPU (BENCHMARKS.md, "Designs shipped": the sampler). On CPU the draw is
+exponential race (or torch.multinomial) draws one per vocabulary entry, on CPU a cost
+next to the model's forward's. On CPU the draw is
 our C++ kernel (engine/kernels/csrc/sampling.cpp) where it builds: the same inverse CDF in two
 passes over a row, with no cumulative sum over the vocabulary. Seeded rows draw their
 uniform from their own generator, so a seeded request gets the same tokens whatever else is
@@ -169,8 +169,7 @@ def _sample_inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Te
 # Top-p and top-k keep the few most likely tokens. Ranking only this many (torch.topk) rather
 # than sorting all 50257 makes them cheap for a peaked distribution (a trained model's); a
 # row whose top_p reaches past these candidates' mass (a flat distribution: random weights)
-# falls back to the full sort and pays for the topk too. Timings: BENCHMARKS.md, "Designs shipped":
-# the sampler.
+# falls back to the full sort and pays for the topk too.
 _NUM_CANDIDATES = 1024
 
 

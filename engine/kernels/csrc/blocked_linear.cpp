@@ -5,11 +5,10 @@
 //     k-pair by k-pair, so one 64-byte load is 16 features' products for two k.
 //
 // Why: at the rows a decode step runs (1 to 64 sequences) oneDNN's bf16 product streams its
-// packed weight at 70-90% of the rate it reaches on 512 rows; this one, a 12-row by 32-feature
-// register tile over a panel, each thread streaming its own run of panels, is 10-50% faster
-// there and as fast as our one-dot-per-feature kernel on one to three rows (BENCHMARKS.md,
-// "Designs shipped": linears). Accumulation is in fp32, as oneDNN's; rounding to bf16 is
-// round-to-nearest-even.
+// packed weight slower than it does on many rows; this one, a 12-row by 32-feature register
+// tile over a panel, each thread streaming its own run of panels, is faster there and as
+// fast as our one-dot-per-feature kernel on one to three rows. Accumulation is in fp32, as
+// oneDNN's; rounding to bf16 is round-to-nearest-even.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

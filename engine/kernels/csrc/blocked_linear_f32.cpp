@@ -5,9 +5,9 @@
 //     build's fp32 lanes (8 on AVX2), input by input, so two vector loads are one input's
 //     weights for the panel's features.
 //
-// Why: on AVX2 oneDNN's fp32 product runs well below its many-row rate at these rows
-// (BENCHMARKS.md, "Designs shipped": linears): the rows of a short prompt's prefill, of a few streams'
-// decodes and of the compiled graph's mixed steps. A 6-row by 2L-feature register
+// Why: on AVX2 oneDNN's fp32 product runs well below its many-row rate at these rows: the
+// rows of a short prompt's prefill, of a few streams' decodes and of the compiled graph's
+// mixed steps. A 6-row by 2L-feature register
 // tile over a panel (12 accumulators, 2 weight vectors and a broadcast: 15 of AVX2's 16
 // registers), each thread streaming its own run of panels, re-reads a panel from cache for
 // each tile of rows and the weights from memory once; each tile prefetches the next panel as

@@ -2,10 +2,8 @@
 // time: the path decode_attention.cpp takes for chunks of kMinChunkRows rows or more.
 //
 // Why: the per-row kernel reduces each key's dot product across a vector's lanes, n * L
-// reductions for a chunk of n rows over L keys; for a lone 512-token prompt's four 128-row
-// chunks that was a third of its prefill (BENCHMARKS.md, "Designs shipped": prefills on the
-// compiled graph). A chunk's rows share
-// their keys, so here the chunk's keys are laid out once per head dimension by dimension,
+// reductions for a chunk of n rows over L keys, a large share of a long prompt's prefill.
+// A chunk's rows share their keys, so here the chunk's keys are laid out once per head dimension by dimension,
 // kGroup to a group, and a tile of rows takes a group's scores as broadcast multiply-adds
 // with no reduction; each value is then read once for the tile's rows.
 #pragma once

@@ -1,6 +1,6 @@
 // The one translation unit our kernels are compiled as: each kernel's file is included here,
-// so ATen's headers, ~6 s of each file's ~8 s compile on 2 cores, are parsed once per ISA
-// rather than once per file (engine/kernels/kernel_sources.py). Anonymous namespaces merge
+// so ATen's headers, most of each file's compile time, are parsed once per ISA rather than
+// once per file (engine/kernels/kernel_sources.py). Anonymous namespaces merge
 // here, so the attention, sampling, kv_write and small_linear kernels keep their internals in
 // a namespace of their own, and the two blocked linears' names differ; each file registers
 // its own ops with TORCH_LIBRARY_FRAGMENT.

@@ -1,7 +1,7 @@
 // One decode step's new keys and values into the paged KV pool, every layer at once: the
 // decode graph's write (engine/model/decode_graph.py write_new_kv). index_copy_ does the same
 // copies on one thread; here the pool's rows (layer, k/v, head) are split over torch's
-// threads (timings: BENCHMARKS.md, "Designs shipped": around the decode graph).
+// threads, so a long prefill's write is not one thread's.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

@@ -8,8 +8,8 @@
 //
 // Why: a decode step of one sequence (padded to two rows by the decode graph) reads every
 // weight once, and its time is that read. oneDNN's kernels for so few rows stream the weights
-// well below this machine's memory bandwidth; one dot product per output, its rows split
-// across torch's threads, streams them near it (BENCHMARKS.md, "Designs shipped": linears).
+// well below the memory bandwidth; one dot product per output, its rows split across torch's
+// threads, streams them near it.
 //
 // The plain pass (fp32, and bf16 on CPUs without AVX-512 BF16) runs on ATen's vector types
 // for the build's ISA, accumulating in fp32.
@@ -29,7 +29,7 @@ at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& panels, int64_t
                           int kind, const at::BFloat16* other);
 at::Tensor blocked_linear_f32(const at::Tensor& x, const at::Tensor& panels, int64_t n, const float* bias, int kind,
                               const float* other);
-// Past it oneDNN's product is as fast (BENCHMARKS.md, "Designs shipped": linears).
+// Past it oneDNN's product is as fast.
 constexpr int64_t kMaxBlockedRows = 64;
 }  // namespace rayinfer
 
@@ -107,9 +107,8 @@ using Pointwise = at::Tensor(const at::Tensor&, const at::Tensor&, const std::op
 using Binary = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
                           c10::string_view);
 
-// The most rows our kernel takes: past them oneDNN's product is as fast or faster, by
-// measurement (BENCHMARKS.md, "Designs shipped": linears); for fp32 on AVX-512 that is from three
-// rows on.
+// The most rows our kernel takes: past them oneDNN's product is as fast or faster; for fp32
+// on AVX-512 that is from three rows on.
 int64_t plain_rows(at::ScalarType dtype) {
 #if defined(CPU_CAPABILITY_AVX512)
   if (dtype == at::kFloat) return 2;
