@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import random
 import threading
 import time
@@ -20,7 +19,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
-import psutil
 import pytest
 import ray
 from ray import serve
@@ -30,7 +28,7 @@ from deployments.routing.prefix_routing import prefix_key, rendezvous_order
 from engine import SamplingParams
 from bench.scale.load_balance import arrival_loads
 from tests.http_helpers import wait_for
-from tests.serve_helpers import deploy_config, replica_processes, running_config
+from tests.serve_helpers import deploy_config, running_config
 from tests.test_observability import scrape_until
 
 pytestmark = pytest.mark.serve
@@ -141,26 +139,6 @@ def test_each_prefix_goes_to_its_first_choice_and_hits_its_cache(server):
     stats = [ray.get(actor.record_routing_stats.remote()) for actor in engine_replicas().values()]
     # The 2nd and 3rd request of each prefix found its 5 blocks cached.
     assert sum(s["num_prefix_hit_tokens"] for s in stats) >= 6 * 2 * 5 * BLOCK
-
-
-def thread_affinities(process: psutil.Process) -> set[frozenset[int]]:
-    """The distinct CPU sets the threads of `process` may run on."""
-    affinities = set()
-    for thread in process.threads():
-        with contextlib.suppress(ProcessLookupError):  # a thread that ended since the listing
-            affinities.add(frozenset(os.sched_getaffinity(thread.id)))
-    return affinities
-
-
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="auto binding needs a core for each replica")
-def test_with_auto_binding_each_engine_replica_runs_on_a_core_of_its_own(server):
-    processes = replica_processes("EngineDeployment", APP)
-    assert len(processes) == 2
-    # engine_num_cpus 0.4: one torch thread, so one core; every thread of a replica on it
-    first, second = (thread_affinities(p) for p in processes)
-    assert len(first) == len(second) == 1, (first, second)
-    assert {len(cpus) for cpus in first | second} == {1}
-    assert first != second
 
 
 def test_a_burst_on_one_prefix_spills_to_its_second_choice_within_the_bound(server, load_log_dir):
