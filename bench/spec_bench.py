@@ -25,8 +25,11 @@ from pathlib import Path
 from bench.engine_bench import make_prompts
 from bench.peers.vllm_peer import require_vllm
 from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.speculative.config import SpeculativeConfig
 
-SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+SPEC = SpeculativeConfig()  # the engine's default
+VLLM_SPEC = {"method": "ngram", "num_speculative_tokens": SPEC.num_speculative_tokens,
+             "prompt_lookup_max": SPEC.prompt_lookup_max, "prompt_lookup_min": SPEC.prompt_lookup_min}
 VLLM_SCRIPT = Path(__file__).resolve().parent / "peers" / "vllm_spec.py"
 
 
@@ -89,7 +92,7 @@ def one_stream(args: argparse.Namespace, prompts: list[list[int]]) -> None:
         dtype = engine.model_info.dtype
         del engine
     if not args.skip_vllm:
-        for label, spec in (("without", None), ("with", SPEC)):
+        for label, spec in (("without", None), ("with", VLLM_SPEC)):
             rows[f"vLLM {label}"] = vllm_ms_per_token(args.model_dir, prompts, args.max_tokens, args.repeats, dtype, spec)
     base = rows["rayinfer without"][1]
     for name, (ms, outputs) in rows.items():

@@ -127,9 +127,10 @@ class EngineConfig:
     one_thread_max_tokens: int | Literal["auto"] = "auto"
     # Speculative decoding by prompt lookup (engine/speculative/): {method: ngram,
     # num_speculative_tokens, prompt_lookup_max, prompt_lookup_min, max_step_rows}; a config
-    # file's mapping becomes a SpeculativeConfig. None: off (the default until measured
-    # against the engine without it on the benchmark workloads).
-    speculative: SpeculativeConfig | None = None
+    # file's mapping becomes a SpeculativeConfig. On by default: where proposals fail a
+    # sequence backs off and a full batch takes none, so it costs nothing where it wins
+    # nothing. None: off.
+    speculative: SpeculativeConfig | None = SpeculativeConfig()
     # LoRA adapters (vLLM's names): at most max_loras resident at once, each of rank up to
     # max_lora_rank, served from the one base model, rows of several in one step
     # (engine/lora/). 0: LoRA off, the model exactly as without it.

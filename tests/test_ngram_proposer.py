@@ -103,9 +103,11 @@ def test_only_requests_whose_rows_sample_independently_speculate(params, specula
 
 
 def test_a_config_file_mapping_becomes_a_validated_speculative_config():
-    config = EngineConfig(speculative={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3})
-    assert config.speculative == SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=3)
-    assert EngineConfig().speculative is None
+    config = EngineConfig(speculative={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 5})
+    assert config.speculative == SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_max=5)
+    assert EngineConfig().speculative == SpeculativeConfig()  # on by default, vLLM's n-gram settings
+    assert SpeculativeConfig() == SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=3, prompt_lookup_min=1)
+    assert EngineConfig(speculative=None).speculative is None  # a config file's null: off
     for bad in ({"method": "eagle"}, {"num_speculative_tokens": 0}, {"prompt_lookup_min": 5, "prompt_lookup_max": 2},
                 {"lookahead": 3}):
         with pytest.raises(ValueError):

@@ -11,8 +11,8 @@ SpeculativeMethod = Literal["ngram"]
 @dataclass(frozen=True)
 class SpeculativeConfig:
     method: SpeculativeMethod = "ngram"
-    num_speculative_tokens: int = 3  # proposals per sequence and step, at most
-    prompt_lookup_max: int = 4  # the longest suffix looked up earlier in the sequence
+    num_speculative_tokens: int = 4  # proposals per sequence and step, at most
+    prompt_lookup_max: int = 3  # the longest suffix looked up earlier in the sequence
     prompt_lookup_min: int = 1  # the shortest
     # Speculation stops adding rows once a step holds this many (decodes and proposals):
     # past it a step's time grows with its rows, and a rejected proposal costs a full row.
