@@ -70,15 +70,15 @@ def run_engine(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, nam
 
 
 def decode_ms_per_token(engine: LLMEngine, prompt: list[int], max_tokens: int) -> float:
-    """Single request: mean time per token after the first (pure decode steps)."""
+    """Single request: mean time per token after the first (decode steps, several tokens a
+    step where speculation's proposals are kept)."""
     engine.add_request(f"single-{time.monotonic_ns()}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
     engine.step()  # prefill + first token
     start = time.perf_counter()
-    steps = 0
+    num_tokens = 0
     while engine.has_unfinished_requests():
-        engine.step()
-        steps += 1
-    return (time.perf_counter() - start) / steps * 1000
+        num_tokens += sum(out.token_id is not None for out in engine.step())
+    return (time.perf_counter() - start) / num_tokens * 1000
 
 
 def hf_model(config: EngineConfig) -> GPT2LMHeadModel:
