@@ -183,7 +183,7 @@ def bad_inputs(model: str | None) -> list[tuple[str, bytes, int]]:
         body(prompt=""), body(prompt=7), body(prompt=[50257]), body(prompt=[-1]), body(prompt=[1] * 1024),
         body(max_tokens=0), body(max_tokens=5000), body(max_tokens="4"), body(temperature=-1), body(top_p=0),
         body(top_p=2), body(top_k=-5), body(stop=["x"] * 17), body(stop=[""]), body(n=0), body(n=99),
-        body(model="no-such-model"), body(stream="yes"),
+        body(stream="yes"),
         b'{"prompt": "hello", "temperature": NaN}', b'{"prompt": "hello", "temperature": Infinity}',
         b'{"prompt": "hello",', b'{"prompt": "\xff\xfe"}', b'["hello"]', b"", b"null",
     ]
@@ -192,5 +192,6 @@ def bad_inputs(model: str | None) -> list[tuple[str, bytes, int]]:
         {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5000},
     )]
     generate = [b'{"prompt": "hi", "max_new_tokens": 0}', b'{"prompt": ""}']
+    unknown_model = ("/v1/completions", body(model="no-such-model"), 404)  # not found, as OpenAI answers
     return ([("/v1/completions", c, 400) for c in completions] + [("/v1/chat/completions", c, 400) for c in chat]
-            + [("/generate", c, 400) for c in generate])
+            + [("/generate", c, 400) for c in generate] + [unknown_model])
