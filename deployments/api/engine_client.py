@@ -11,6 +11,7 @@ from ray.serve.handle import DeploymentHandle
 from deployments.api.engine_replicas import EngineReplicas
 from deployments.api.handles import over_grpc
 from engine import EngineStats, GenerationChunk, ModelInfo, SamplingParams
+from engine.request.lora_request import LoraRequest
 from engine.request.scheduling import Scheduling
 
 T = TypeVar("T")
@@ -44,10 +45,11 @@ class EngineClient:
         self._replicas = EngineReplicas(self._handle)
 
     def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 scheduling: Scheduling) -> EngineStream:
-        # By keyword: the prefix router reads prompt_token_ids and params by name (deployments/routing/router.py).
+                 scheduling: Scheduling, lora: LoraRequest | None = None) -> EngineStream:
+        # By keyword: the prefix router reads prompt_token_ids, params and lora by name (deployments/routing/router.py).
         return self._handle.options(stream=True).generate.remote(
-            request_id=request_id, prompt_token_ids=prompt_token_ids, params=params, scheduling=scheduling)
+            request_id=request_id, prompt_token_ids=prompt_token_ids, params=params, scheduling=scheduling,
+            lora=lora)
 
     async def status(self) -> EngineStatus:
         return await self.while_up(self._handle.status.remote())

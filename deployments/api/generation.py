@@ -16,6 +16,7 @@ from deployments.observability.metrics import request_metrics
 from deployments.api.openai_logprobs import Scored
 from engine import GenerationChunk, SamplingParams
 from engine.request.detokenizer import IncrementalDetokenizer, TokenVocab
+from engine.request.lora_request import LoraRequest
 from engine.request.scheduling import Scheduling
 
 
@@ -94,12 +95,14 @@ class Choice:
     include_stop_str: bool = False
     format_logprobs: LogprobsFormat | None = None  # set where the request asked for logprobs
     scheduling: Scheduling = Scheduling()  # its priority and tenant
+    lora: LoraRequest | None = None  # the adapter it runs under (None: the base model)
 
 
 async def choice_deltas(engine: EngineClient, vocab: TokenVocab, choice: Choice, timing: ServerTiming,
                         received_at: float) -> AsyncIterator[ChoiceDelta]:
     """The choice's text as it is generated; the engine request starts at the first anext."""
-    response = engine.generate(choice.request_id, choice.prompt_token_ids, choice.params, choice.scheduling)
+    response = engine.generate(choice.request_id, choice.prompt_token_ids, choice.params, choice.scheduling,
+                               choice.lora)
     text = ChoiceText(vocab, choice)
     is_engine_done, num_tokens, first_timings = False, 0, None
     try:

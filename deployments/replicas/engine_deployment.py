@@ -9,6 +9,7 @@ its KV blocks are free by the end of the next step.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
@@ -20,10 +21,12 @@ from deployments.routing import chunk_budget
 from deployments.routing.chunk_budget import ChunkBudget
 from deployments.api.engine_client import EngineStatus
 from deployments.routing.engine_load import EngineLoad
+from deployments.replicas.engine_adapters import ReplicaAdapters
 from deployments.observability.logs import quiet_answered_refusals, route_logs_to_serve
 from deployments.observability.metrics import EngineMetricsReporter
 from engine import EngineConfig, GenerationChunk, ModelInfo, SamplingParams
 from engine.model.progress import progress
+from engine.request.lora_request import LoraRequest
 from engine.request.scheduling import Scheduling
 
 if TYPE_CHECKING:
@@ -54,17 +57,27 @@ class EngineDeployment:
             from engine import AsyncEngine
         self._engine: AsyncEngine = AsyncEngine(config, max_chunks_per_s=chunks_per_s)
         self._metrics = EngineMetricsReporter(self._engine.stats, self._engine.drain_steps)
+        self._adapters = ReplicaAdapters(self._engine)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       scheduling: Scheduling = Scheduling()) -> AsyncIterator[GenerationChunk]:
+                       scheduling: Scheduling = Scheduling(),
+                       lora: LoraRequest | None = None) -> AsyncIterator[GenerationChunk]:
         """Every token ready since the last chunk; the last chunk has a finish_reason.
 
-        Raises InvalidRequestError before the first chunk for a request that can never run.
+        Raises InvalidRequestError before the first chunk for a request that can never run
+        (an adapter this replica cannot read among them).
         """
-        chunks = self._engine.generate(request_id, prompt_token_ids, params, scheduling)
+        lora_name = None if lora is None else (await self._adapters.ensure(lora)).name
+        chunks = self._engine.generate(request_id, prompt_token_ids, params, scheduling, lora_name)
         async with contextlib.aclosing(chunks):
             async for chunk in chunks:
                 yield chunk
+
+    async def load_lora(self, lora: LoraRequest) -> dict:
+        """Read the adapter now (the runtime load route): its errors reach the caller before
+        the Ingress lists it. Other replicas read it on their first request for it. A dict
+        (LoraInfo's fields): the Ingress unpickling it imports no engine code."""
+        return dataclasses.asdict(await self._adapters.ensure(lora))
 
     def model_info(self) -> ModelInfo:
         return self._engine.model_info
