@@ -40,6 +40,7 @@ from bench.peers.ratios import ratios_table
 from loadtest.client.workload import Workload
 from loadtest.client.cpu_usage import ProcessCpu, cpu_since, cpu_snapshot, cpu_table, settle
 from loadtest.client.machine import machine_line, utc_now
+from bench.peers.startup_time import FULL_SPEED_LINE, wait_for_line
 from bench.peers.vllm_peer import VllmServer, VllmServerConfig, is_healthy, find_vllm, run_vllm_offline_target
 
 RAYINFER_URL = "http://127.0.0.1:8000"
@@ -137,6 +138,8 @@ def serve_run(config: dict, timeout_s: float = 300.0, app_urls: Sequence[str] = 
             if process.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"serve run did not become healthy; see {log.name}")
             time.sleep(1.0)
+        # Measured at full speed: the engine answers on eager steps while its graph compiles.
+        wait_for_line(process, Path(log.name), FULL_SPEED_LINE, time.monotonic(), timeout_s)
         yield process.pid
     finally:
         serve_process.stop(process)
