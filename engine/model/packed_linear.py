@@ -7,6 +7,9 @@ emits for frozen CPU linears. oneDNN runs bf16 only on AVX-512 BW/VL/DQ or newer
 fp32: `F.linear` runs MKL's sgemm, which is not faster than oneDNN's prepacked fp32 kernels
 at the row counts a step runs, on AVX2 as on AVX-512. The two round differently, so fp32 packing is not bit-identical: `linears:
 reference` keeps F.linear, the path that is token-exact with Hugging Face.
+
+The prepack and the prepacked linear are torch's private mkldnn ops (no public API packs
+for oneDNN): torch is pinned exactly, and tests/test_torch_internals.py fails on one that moved.
 """
 
 from __future__ import annotations
