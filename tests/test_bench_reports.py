@@ -55,6 +55,15 @@ def test_the_peer_table_splits_the_streams_ttft_into_the_first_wave_and_the_rest
     assert "| HTTP, 2 streams: TTFT p50 of those sent as a stream ended (ms) | 60.0 | - | - |" in rows
 
 
+def test_the_peer_table_says_what_ttft_the_http_path_adds_to_the_offline_engines() -> None:
+    rows = rows_with(900.0, 800.0, 300.0, 16.0, 47.5)
+    rows.offline_single = replace(rows.single, ttft_ms=Summary(15.0, 15.0, 15.0, 15.0))
+    lines = table(TableRun(TableWorkload(), rows, ServerRows(), {}, "bfloat16", "Machine: x")).splitlines()
+    assert "| offline, one stream at a time: TTFT p50 (ms) | 15.0 | - | - |" in lines
+    assert "| one stream: TTFT HTTP adds to offline's (ms) | 32.5 | - | |" in lines
+    assert "| HTTP share of its own offline | 89% | - | |" in lines
+
+
 def rows_with(offline_tps: float, streams_tps: float, streams_ttft: float, tpot: float, ttft: float) -> ServerRows:
     """ServerRows whose results carry just the figures the ratios read."""
     base = summarize_run(RunInfo("x", "http://x"), Workload(num_requests=1, concurrency=1),

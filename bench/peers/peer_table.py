@@ -70,6 +70,7 @@ class TableWorkload:
 @dataclass
 class ServerRows:
     offline: BenchResult | None = None
+    offline_single: BenchResult | None = None  # one request at a time: the TTFT the HTTP path adds to
     concurrent: BenchResult | None = None
     single: BenchResult | None = None
 
@@ -78,6 +79,12 @@ class ServerRows:
         if self.offline is None or self.concurrent is None or not self.offline.output_throughput:
             return None
         return self.concurrent.output_throughput / self.offline.output_throughput
+
+    @property
+    def ttft_added_ms(self) -> float | None:
+        if self.offline_single is None or self.single is None:
+            return None
+        return self.single.ttft_ms.p50 - self.offline_single.ttft_ms.p50
 
 
 @dataclass
@@ -148,18 +155,18 @@ def serve_run(config: dict, timeout_s: float = 300.0, app_urls: Sequence[str] = 
 
 
 def run_rayinfer(args: argparse.Namespace, workload: TableWorkload, cpu: dict) -> ServerRows:
-    from loadtest.client.offline_target import OfflineTarget, run_offline
+    from loadtest.client.offline_target import OfflineTarget, run_offline_all
 
     config = serve_config(args.config, args.checkpoint, args.dtype, json.loads(args.app_args),
                           json.loads(args.engine_env))
     engine_args = config["applications"][0]["args"].get("engine", {})  # offline runs the engine the server runs
     target = OfflineTarget(str(args.checkpoint.resolve()), weights="pretrained", dtype=args.dtype,
                            label="rayinfer offline", engine=engine_args)
-    offline = None if args.skip_offline else run_offline(target, workload.offline())
+    offline = [None, None] if args.skip_offline else run_offline_all(target, [workload.offline(), workload.single()])
     with serve_run(config):
         rows = measure_http("rayinfer", Target(RAYINFER_URL, "rayinfer", ignore_eos=True), workload, cpu)
     settle()
-    return replace(rows, offline=offline)
+    return replace(rows, offline=offline[0], offline_single=offline[1])
 
 
 # ---- vLLM ----
@@ -203,6 +210,10 @@ def table(run: TableRun) -> str:
                        lambda r: r.tpot_ms.p50, "{:.2f}"))
     lines.append(_line("HTTP, one stream at a time: TTFT p50 (ms)", ours.single, theirs.single,
                        lambda r: r.ttft_ms.p50, "{:.1f}"))
+    lines.append(_line("offline, one stream at a time: TTFT p50 (ms)", ours.offline_single, None,
+                       lambda r: r.ttft_ms.p50, "{:.1f}"))
+    added = lambda rows: "-" if rows.ttft_added_ms is None else f"{rows.ttft_added_ms:.1f}"  # noqa: E731
+    lines.append(f"| one stream: TTFT HTTP adds to offline's (ms) | {added(ours)} | {added(theirs)} | |")
     return "\n".join(lines) + "\n\nCPU time per process during each HTTP run:\n\n" + cpu_table(run.cpu)
 
 

@@ -33,6 +33,11 @@ class OfflineTarget:
 
 
 def run_offline(target: OfflineTarget, workload: Workload) -> BenchResult:
+    return run_offline_all(target, [workload])[0]
+
+
+def run_offline_all(target: OfflineTarget, workloads: list[Workload]) -> list[BenchResult]:
+    """Each workload in turn on one engine, started once (its graph compiled once)."""
     config = EngineConfig(model=target.model, weights=target.weights, dtype=target.dtype, device="cpu",
                           **target.engine)
     with full_speed_watch() as at_full_speed:
@@ -40,7 +45,7 @@ def run_offline(target: OfflineTarget, workload: Workload) -> BenchResult:
         if config.decode_compiled and not at_full_speed.wait(FULL_SPEED_TIMEOUT_S):
             print(f"{target.label}: no decode graph after {FULL_SPEED_TIMEOUT_S:.0f} s; measured as it is")
     try:
-        return asyncio.run(measure(engine.generate, target.model, target.label, workload))
+        return [asyncio.run(measure(engine.generate, target.model, target.label, w)) for w in workloads]
     finally:
         engine.shutdown()
 
