@@ -26,12 +26,16 @@ ADAPTER_CONFIG = "adapter_config.json"  # what PEFT's save_pretrained writes int
 def resolve_inside(root: Path, path: str) -> Path | None:
     """`path` (relative: under root) resolved with its symlinks followed; None where it leaves
     `root`, an already resolved directory. Only the path's links are looked at, no file read."""
-    target = (root / path).resolve()  # an absolute `path` replaces root, as it should
+    try:
+        target = (root / path).resolve()  # an absolute `path` replaces root, as it should
+    except (ValueError, OSError, RuntimeError):  # a NUL byte; a symlink loop (RuntimeError before Python 3.13)
+        return None
     return target if target.is_relative_to(root) else None
 
 
 def outside(path: str) -> ApiError:
-    return ApiError(400, f"lora_path {path!r} is outside the adapters directory (lora_dir)", param="lora_path")
+    return ApiError(400, f"lora_path {path!r} does not resolve inside the adapters directory (lora_dir)",
+                    param="lora_path")
 
 
 @dataclass
@@ -105,7 +109,7 @@ def declared(root: Path, name: str, path: str, base_name: str) -> LoraRequest:
         raise ValueError(f"lora_modules: {name!r} is the served model's name; name the adapter otherwise")
     target = resolve_inside(root, path)
     if target is None:
-        raise ValueError(f"lora_modules: {name!r}'s path {path!r} is outside lora_dir {str(root)!r}")
+        raise ValueError(f"lora_modules: {name!r}'s path {path!r} does not resolve inside lora_dir {str(root)!r}")
     if not (target / ADAPTER_CONFIG).is_file():
         raise ValueError(f"lora_modules: {name!r}'s path {str(target)!r} has no {ADAPTER_CONFIG}")
     return LoraRequest(name, str(target))

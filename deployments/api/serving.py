@@ -185,7 +185,7 @@ class Serving:
 
     async def read_as_tenant(self, request: Request, model: type[BodyT]) -> tuple[BodyT, Tenant]:
         """Auth first (an unauthorized body is never read), then the size-capped body, then
-        the served model's name where the body names one; and whose request it is."""
+        the model where the body names one (the served model or an adapter); and whose request it is."""
         key_tenant = self.api_keys.check(request.headers.get("authorization"))
         body = await read_json_body(request, model, self.max_body_bytes)
         self.loras.lookup(getattr(body, "model", None))  # a 404 for a name neither the base model nor an adapter
