@@ -20,12 +20,13 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from ray import serve
 
 from deployments.api.lora_catalog import check_one_ingress_replica
 from deployments.app import DEFAULT_MAX_LORAS, AppArgs, engine_config, make_app
 from engine import LLM, SamplingParams
 from tests.http_helpers import PROMPTS, Stream, assert_openai_error, run_async, sse_payloads
-from tests.serve_helpers import MODEL, running_app, tiny_app_args
+from tests.serve_helpers import MODEL, deleted_at_exit, running_app, shared_serve, tiny_app_args
 from tests.test_lora import save_adapter
 
 pytestmark = pytest.mark.serve
@@ -262,6 +263,19 @@ def test_max_loras_defaults_to_a_few_slots_where_adapters_are_served_and_0_is_re
     assert engine_config(AppArgs(), 0).max_loras == 0
     with pytest.raises(ValueError, match="engine.max_loras: 0 turns LoRA off, but lora_modules serve adapters"):
         max_loras(lora_modules={"sql": "sql"}, engine={"max_loras": 0})
+
+
+def test_runtime_updating_with_two_ingress_replicas_fails_to_deploy_saying_why(tiny_gpt2_dir: Path,
+                                                                                 lora_dir: Path) -> None:
+    """Checked where the Ingress starts: a config file's `deployments:` list sets its replicas after the build."""
+    two = {"Ingress": {"num_replicas": 2, "max_constructor_retry_count": 1}}  # one failed start is enough
+    app = make_app(lora_args(tiny_gpt2_dir, lora_dir), deployment_options=two)
+    shared_serve()
+    with deleted_at_exit("lora-two-ingresses"):
+        with pytest.raises(RuntimeError, match="Deploying application lora-two-ingresses failed"):
+            serve.run(app, name="lora-two-ingresses", route_prefix="/two")
+        ingress = serve.status().applications["lora-two-ingresses"].deployments["Ingress"]
+        assert "allow_runtime_lora_updating needs exactly one Ingress replica" in ingress.message
 
 
 def test_runtime_updating_needs_exactly_one_ingress_replica() -> None:
