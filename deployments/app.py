@@ -21,6 +21,7 @@ from deployments.routing.chunk_budget import ChunkBudget
 from deployments.replicas.engine_deployment import EngineDeployment
 from deployments.replicas.engine_runtime import engine_runtime_env
 from deployments.api.http_body import DEFAULT_MAX_BODY_BYTES
+from deployments.api.lora_catalog import LoraCatalog
 from deployments.replicas.ingress import Ingress
 from deployments.api.prompt_encoding import DEFAULT_LOCAL_MAX_CHARS
 from deployments.replicas.tokenizer_deployment import TokenizerDeployment
@@ -64,6 +65,13 @@ class AppArgs(BaseModel):
     # metrics label it by a short hash). With keys, the key does.
     tenant_by_user: bool = False
     max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, ge=1)  # larger bodies get 413
+    # LoRA adapters (docs/lora.md, "Serving adapters"): the one directory every adapter's path
+    # is resolved inside; the adapters served from the start, name -> path (relative: under
+    # lora_dir); whether POST /v1/load_lora_adapter and /v1/unload_lora_adapter exist (they
+    # need one Ingress replica). The engine's `max_loras` defaults to DEFAULT_MAX_LORAS then.
+    lora_dir: str | None = None
+    lora_modules: dict[str, str] = Field(default_factory=dict)
+    allow_runtime_lora_updating: bool = False
 
     @model_validator(mode="before")
     @classmethod
@@ -106,8 +114,11 @@ def make_app(args: dict, deployment_options: dict[str, dict] | None = None,
     tokenizer_app = tokenizer.options(**options.get("TokenizerDeployment", {})).bind(
         app_args.model, app_args.tokenizer_max_batch_size, app_args.tokenizer_batch_wait_s)
     engine_args = (config, app_args.max_chunks_per_s)
-    http_args = (app_args.served_model_name or app_args.model, app_args.model, app_args.api_keys,
-                 app_args.max_body_bytes, app_args.local_encode_max_chars, app_args.tenant_by_user)
+    served_name = app_args.served_model_name or app_args.model
+    loras = LoraCatalog.from_args(served_name, app_args.lora_dir, app_args.lora_modules,
+                                  app_args.allow_runtime_lora_updating)
+    http_args = (served_name, app_args.model, app_args.api_keys, app_args.max_body_bytes,
+                 app_args.local_encode_max_chars, app_args.tenant_by_user, loras)
     engine_options = engine_deployment_options(app_args, num_gpus) | options.get("EngineDeployment", {})
     if engine_class is not None:
         engine_options["func_or_class"] = engine_class
@@ -132,12 +143,33 @@ def engine_config(args: AppArgs, num_gpus: float) -> EngineConfig:
     device = "cpu" if num_gpus == 0 and args.device == "auto" else args.device
     # Threads sized to the CPUs the replica asked Ray for, so replicas sharing a box do not
     # oversubscribe it; `engine: {num_threads: N}` overrides.
-    engine = {"num_threads": max(1, math.ceil(args.engine_num_cpus)), **args.engine}
+    engine = {"num_threads": max(1, math.ceil(args.engine_num_cpus)), **lora_engine_options(args), **args.engine}
     try:
         return EngineConfig(model=args.model, weights=args.weights, dtype=args.dtype, device=device,
                             seed=args.seed, **engine)
     except TypeError as error:  # an unknown key in `engine:`
         raise ValueError(f"bad engine args {sorted(args.engine)}: {error}") from None
+
+
+# Adapter slots where the app serves adapters and `engine: {max_loras: N}` is not set: a few
+# resident at once (more are read back, least recently used evicted), each slot a few MB.
+DEFAULT_MAX_LORAS = 4
+
+
+def lora_engine_options(args: AppArgs) -> dict[str, int]:
+    """max_loras where adapters are served but the engine args leave it out; a ValueError where
+    the engine args turn LoRA off under adapters the app args serve."""
+    serves = sorted(name for name, is_set in (("lora_modules", bool(args.lora_modules)),
+                                              ("allow_runtime_lora_updating", args.allow_runtime_lora_updating))
+                    if is_set)
+    if not serves:
+        if args.lora_dir is not None:
+            raise ValueError("lora_dir is set but no adapter can be served: add lora_modules or "
+                             "allow_runtime_lora_updating: true, or delete lora_dir")
+        return {}
+    if args.engine.get("max_loras") == 0:
+        raise ValueError(f"engine.max_loras: 0 turns LoRA off, but {' and '.join(serves)} serve adapters")
+    return {} if "max_loras" in args.engine else {"max_loras": DEFAULT_MAX_LORAS}
 
 
 def engine_num_gpus(args: AppArgs) -> float:

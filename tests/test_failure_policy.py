@@ -24,6 +24,7 @@ from ray.serve._private.common import DeploymentID
 from ray.serve.exceptions import DeploymentUnavailableError
 
 from deployments.api.errors import as_api_error
+from deployments.api.lora_catalog import LoraCatalog
 from deployments.api.routes import api
 from deployments.api.security import ApiKeys
 from deployments.api.serving import Serving
@@ -141,7 +142,7 @@ def test_a_tokenizer_route_with_its_replica_down_is_the_encode_paths_503_with_re
         method: str, path: str, body: dict | None, error: Exception) -> None:
     tokenizer = DownTokenizer(error)
     info = ModelInfo("tiny", "random", 1024, 50257, 50256, "float32", "cpu")
-    serving = Serving(tokenizer, None, None, "tiny", ApiKeys([]), 1 << 20, info, None)
+    serving = Serving(tokenizer, None, None, "tiny", ApiKeys([]), 1 << 20, info, None, LoraCatalog("tiny"))
     encode_path = as_api_error(error)
     with TestClient(app_with_policy(serving)) as client:
         response = client.request(method, path, json=body)

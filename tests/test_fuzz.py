@@ -31,8 +31,9 @@ def test_no_generated_body_gets_a_5xx_or_leaks_and_the_engine_serves_on(base_url
     tally = Tally()
     fuzz(base_url, {}, MAX_EXAMPLES, tally)
     routes = {route for route, _ in tally.sent}
+    # The LoRA load routes are documented always, and 404s here (allow_runtime_lora_updating is off).
     assert routes == {"POST /v1/completions", "POST /v1/chat/completions", "POST /generate", "POST /tokenize",
-                      "POST /detokenize"}, tally.summary()
+                      "POST /detokenize", "POST /v1/load_lora_adapter", "POST /v1/unload_lora_adapter"}, tally.summary()
     assert {status for _, status in tally.sent} & {200} and {status for _, status in tally.sent} & {400}
     assert engine_at_rest(base_url, {}) is None  # up, idle, every KV block back
     check_engine_integrity("rayinfer")

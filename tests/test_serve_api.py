@@ -24,7 +24,7 @@ from loadtest.client.workload import Workload
 from loadtest.client.handle_target import HandleTarget, run_over_handle
 from tests.engine_faults import faulty_app
 from tests.http_helpers import (
-    PROMPTS, check_engine_integrity, engine_health, greedy, sse_payloads, wait_until_idle,
+    PROMPTS, assert_openai_error, check_engine_integrity, engine_health, greedy, sse_payloads, wait_until_idle,
 )
 from tests.serve_helpers import replica_process, replica_processes, running_app, tiny_app_args
 
@@ -344,6 +344,13 @@ def test_models_and_health_report_the_engine(http: httpx.Client, tiny_gpt2_dir: 
     health = engine_health(http)
     assert health["status"] == "ok"
     assert health["stats"]["num_kv_blocks_total"] == ENGINE_ARGS["num_kv_blocks"]
+
+
+def test_by_default_no_adapter_is_listed_and_the_lora_routes_do_not_exist(http: httpx.Client) -> None:
+    """allow_runtime_lora_updating is off by default: the routes are 404s, as vLLM's (tests/test_lora_serve.py)."""
+    assert [(card["id"], card["parent"]) for card in http.get("/v1/models").json()["data"]] == [("tiny", None)]
+    for route, body in (("load", {"lora_name": "a", "lora_path": "a"}), ("unload", {"lora_name": "a"})):
+        assert_openai_error(http.post(f"/v1/{route}_lora_adapter", json=body), 404, "invalid_request_error")
 
 
 @pytest.mark.parametrize(("cluster_gpus", "num_gpus", "device"), [(0, 0, "cpu"), (1, 1, "auto"), (8, 1, "auto")])

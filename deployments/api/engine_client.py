@@ -51,6 +51,10 @@ class EngineClient:
             request_id=request_id, prompt_token_ids=prompt_token_ids, params=params, scheduling=scheduling,
             lora=lora)
 
+    async def load_lora(self, lora: LoraRequest) -> dict:
+        """One engine replica reads the adapter now; an InvalidRequestError names what it refuses."""
+        return await self.while_up(self._handle.load_lora.remote(lora))
+
     async def status(self) -> EngineStatus:
         return await self.while_up(self._handle.status.remote())
 

@@ -248,3 +248,16 @@ class TokenizeBody(_Body):
 class DetokenizeBody(_Body):
     model: str | None = None
     tokens: list[TokenId]
+
+
+class LoadLoraBody(_Body):
+    """vLLM's POST /v1/load_lora_adapter (its `load_inplace` is not taken: unload, then load)."""
+
+    lora_name: Annotated[str, Field(min_length=1)]
+    lora_path: Annotated[str, Field(min_length=1)]  # inside the app's lora_dir (deployments/api/lora_catalog.py)
+
+
+class UnloadLoraBody(_Body):
+    """vLLM's POST /v1/unload_lora_adapter (by name; vLLM's `lora_int_id` is not taken)."""
+
+    lora_name: Annotated[str, Field(min_length=1)]

@@ -26,12 +26,14 @@ from ray.serve.handle import DeploymentHandle
 
 from deployments.api.encoding import EncodeRequest, Encoded
 from deployments.api.engine_client import EngineClient
-from deployments.api.errors import ApiError, as_api_error, unavailable, unknown_model
+from deployments.api.errors import ApiError, as_api_error, unavailable
 from deployments.api.generation import Choice, Generation, ServerTiming, choice_deltas
 from deployments.api.http_body import BodyT, read_json_body
+from deployments.api.lora_catalog import LoraCatalog
 from deployments.api.prompt_encoding import PromptEncoding
 from deployments.observability import prometheus
-from deployments.api.protocol import ChatBody, DetokenizeBody, GenerateBody, OpenAIBody, TokenizeBody
+from deployments.api.protocol import (ChatBody, DetokenizeBody, GenerateBody, LoadLoraBody, OpenAIBody, TokenizeBody,
+                                      UnloadLoraBody)
 from deployments.api.responses import OpenAIFormat, collect, openai_body, text_stream
 from deployments.api.security import ApiKeys, Tenant
 from deployments.observability.metrics import request_metrics
@@ -39,6 +41,7 @@ from deployments.api.sse import sse_events
 from deployments.api.streams import merge, prepend
 from engine import ModelInfo
 from engine.request.detokenizer import TokenVocab
+from engine.request.lora_request import LoraRequest
 from engine.request.request_rules import check_fits_waiting_bounds, check_priority, check_token_ids
 from engine.request.scheduling import Scheduling
 
@@ -57,18 +60,20 @@ class Serving:
     max_body_bytes: int
     info: ModelInfo
     vocab: TokenVocab
+    loras: LoraCatalog  # the adapters a body's `model` may name besides model_name
 
     async def openai(self, request: Request, model: type[OpenAIBody], fmt: OpenAIFormat) -> Any:
         """The one body of /v1/completions and /v1/chat/completions."""
         received_at = time.perf_counter()
         body, tenant = await self.read_as_tenant(request, model)
+        lora = self.loras.lookup(body.model)
         body.check()
         check_priority(body.priority, self.info.priority_range)
         scheduling = Scheduling(body.priority, tenant.label, tenant.weight)
         prompts, timing = await self.encode_all(body.encode_requests(self.info.max_model_len))
         self.check_fits(prompts, body)
         request_id = fmt.id_prefix + uuid.uuid4().hex
-        choices = [self.choice(body, fmt, request_id, i * body.num_choices + j, encoded, j, scheduling)
+        choices = [self.choice(body, fmt, request_id, i * body.num_choices + j, encoded, j, scheduling, lora)
                    for i, encoded in enumerate(prompts) for j in range(body.num_choices)]
         gen = await self.start(request_id, choices, sum(len(e.token_ids) for e in prompts), timing, received_at)
         if body.stream:
@@ -85,13 +90,13 @@ class Serving:
                                   self.info.max_waiting_requests, self.info.max_waiting_tokens, param)
 
     def choice(self, body: OpenAIBody, fmt: OpenAIFormat, request_id: str, index: int, encoded: Encoded,
-               seed_offset: int, scheduling: Scheduling) -> Choice:
+               seed_offset: int, scheduling: Scheduling, lora: LoraRequest | None = None) -> Choice:
         """Choice `index` (prompt-major: prompt i's n choices are i*n .. i*n + n - 1, as OpenAI)."""
         params = body.choice_params(encoded.max_tokens, seed_offset)
         logprobs = None if params.logprobs is None else fmt.logprobs(self.vocab, params.logprobs)
         return Choice(index, f"{request_id}-{index}", encoded.token_ids, params,
                       echo=bool(getattr(body, "echo", False)), include_stop_str=body.include_stop_str_in_output,
-                      format_logprobs=logprobs, scheduling=scheduling)
+                      format_logprobs=logprobs, scheduling=scheduling, lora=lora)
 
     async def generate(self, request: Request) -> Any:
         """/generate: plain text, streamed or whole."""
@@ -108,12 +113,37 @@ class Serving:
         return PlainTextResponse((await whole(collect(gen), request_id)).texts[0], headers=headers)
 
     def models(self, request: Request) -> dict:
+        """The base model's card, then each adapter's (vLLM's shape: `parent` the base model)."""
         self.api_keys.check(request.headers.get("authorization"))
         info = self.info
         card = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "rayinfer",
-                "root": info.name, "weights": info.weights, "max_model_len": info.max_model_len,
+                "root": info.name, "parent": None, "weights": info.weights, "max_model_len": info.max_model_len,
                 "dtype": info.dtype, "device": info.device}
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [card, *self.loras.cards(created=0)]}
+
+    async def load_lora(self, request: Request) -> PlainTextResponse:
+        """/v1/load_lora_adapter: an engine replica reads the adapter before the catalog lists
+        it, so an adapter the engine refuses is a 400 naming why, never a listed name that fails."""
+        self.loras.check_runtime_updating()
+        body = await self.read(request, LoadLoraBody)
+        lora = self.loras.resolve(body.lora_name, body.lora_path)
+        try:
+            await self.engine.load_lora(lora)
+        except Exception as exc:
+            error = as_api_error(exc)
+            # The engine names the adapter in `model`, a field this body does not have.
+            raise (ApiError(400, str(error), param="lora_path", code=error.code) if error.status == 400
+                   else error) from exc
+        self.loras.add(lora)
+        return PlainTextResponse(f"Success: LoRA adapter '{lora.name}' added successfully.")
+
+    async def unload_lora(self, request: Request) -> PlainTextResponse:
+        """/v1/unload_lora_adapter: new requests naming it get 404 at once; running ones
+        finish under it (their engine replica still holds it)."""
+        self.loras.check_runtime_updating()
+        body = await self.read(request, UnloadLoraBody)
+        name = self.loras.remove(body.lora_name).name
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
     async def health(self) -> JSONResponse:
         try:
@@ -155,12 +185,10 @@ class Serving:
 
     async def read_as_tenant(self, request: Request, model: type[BodyT]) -> tuple[BodyT, Tenant]:
         """Auth first (an unauthorized body is never read), then the size-capped body, then
-        the served model's name where the body names one; and whose request it is."""
+        the model where the body names one (the served model or an adapter); and whose request it is."""
         key_tenant = self.api_keys.check(request.headers.get("authorization"))
         body = await read_json_body(request, model, self.max_body_bytes)
-        name = getattr(body, "model", None)
-        if name is not None and name != self.model_name:
-            raise unknown_model(name)
+        self.loras.lookup(getattr(body, "model", None))  # a 404 for a name neither the base model nor an adapter
         return body, self.api_keys.tenant(key_tenant, getattr(body, "user", None))
 
     async def encode_all(self, requests: list[EncodeRequest]) -> tuple[list[Encoded], ServerTiming]:
@@ -181,7 +209,9 @@ class Serving:
             if error.code == "engine_overloaded":
                 request_metrics().record_rejected(choices[0].scheduling.tenant)
             raise error from exc
-        return Generation(request_id, self.model_name, [len(c.prompt_token_ids) for c in choices],
+        lora = choices[0].lora  # a request's choices share one: its response names it, as vLLM's
+        return Generation(request_id, self.model_name if lora is None else lora.name,
+                          [len(c.prompt_token_ids) for c in choices],
                           num_prompt_tokens, prepend(first, deltas), timing)
 
 

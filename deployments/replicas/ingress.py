@@ -15,8 +15,10 @@ from deployments.api.encoding import Encoder
 from deployments.api.engine_client import EngineClient
 from deployments.api.handles import over_grpc
 from deployments.api.http_body import DEFAULT_MAX_BODY_BYTES, documented_body
+from deployments.api.lora_catalog import LoraCatalog, check_one_ingress_replica
 from deployments.api.prompt_encoding import DEFAULT_LOCAL_MAX_CHARS, PromptEncoding
-from deployments.api.protocol import ChatBody, CompletionBody, DetokenizeBody, GenerateBody, TokenizeBody
+from deployments.api.protocol import (ChatBody, CompletionBody, DetokenizeBody, GenerateBody, LoadLoraBody,
+                                      TokenizeBody, UnloadLoraBody)
 from deployments.api.responses import CHAT, COMPLETIONS
 from deployments.api.routes import api
 from deployments.api.security import ApiKeys
@@ -38,7 +40,7 @@ ON_REPLICA_LOOP = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE
 
 async def build_serving(tokenizer: DeploymentHandle, engine: EngineClient, model_name: str, model: str,
                         api_keys: list[str] | None, max_body_bytes: int, local_encode_max_chars: int,
-                        tenant_by_user: bool = False) -> Serving:
+                        tenant_by_user: bool = False, loras: LoraCatalog | None = None) -> Serving:
     """A replica's Serving: the tokenizer of `model` (the engine's checkpoint), loaded here for
     local encodes and detokenizing while the engine starts: its model_info waits for the engine."""
     tokenizer = over_grpc(tokenizer)
@@ -48,7 +50,17 @@ async def build_serving(tokenizer: DeploymentHandle, engine: EngineClient, model
     encoding = PromptEncoding(tokenizer, Encoder(hf_tokenizer), local_encode_max_chars, TokenizerMetrics("ingress"))
     keys = ApiKeys.from_config(api_keys, tenant_by_user)
     return Serving(tokenizer, encoding, engine, model_name, keys, max_body_bytes, info,
-                   TokenVocab.from_tokenizer(hf_tokenizer))
+                   TokenVocab.from_tokenizer(hf_tokenizer), loras or LoraCatalog(model_name))
+
+
+def check_replicas_for(loras: LoraCatalog | None) -> None:
+    """Read here, not at build: a config file's `deployments:` list sets the Ingress's replicas
+    after build_app has run."""
+    if loras is None or not loras.allow_runtime_updating:
+        return
+    # Serve's own config of this deployment; a Ray without it fails here, loudly.
+    config = serve.get_replica_context()._deployment_config
+    check_one_ingress_replica(config.num_replicas, config.autoscaling_config is not None)
 
 
 # The deployment comes last: @serve.ingress pickles the app (and the globals its routes
@@ -68,10 +80,12 @@ async def build_serving(tokenizer: DeploymentHandle, engine: EngineClient, model
 class Ingress:
     async def __init__(self, tokenizer: DeploymentHandle, engine: DeploymentHandle, model_name: str, model: str,
                        api_keys: list[str] | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-                       local_encode_max_chars: int = DEFAULT_LOCAL_MAX_CHARS, tenant_by_user: bool = False) -> None:
+                       local_encode_max_chars: int = DEFAULT_LOCAL_MAX_CHARS, tenant_by_user: bool = False,
+                       loras: LoraCatalog | None = None) -> None:
         route_logs_to_serve("engine")
+        check_replicas_for(loras)
         self.serving = await build_serving(tokenizer, EngineClient(engine), model_name, model, api_keys,
-                                           max_body_bytes, local_encode_max_chars, tenant_by_user)
+                                           max_body_bytes, local_encode_max_chars, tenant_by_user, loras)
 
     @api.post("/v1/completions", openapi_extra=documented_body(CompletionBody))
     async def completions(self, request: Request) -> Any:
@@ -108,6 +122,14 @@ class Ingress:
     @api.get("/v1/models")
     async def models(self, request: Request) -> dict:
         return self.serving.models(request)
+
+    @api.post("/v1/load_lora_adapter", openapi_extra=documented_body(LoadLoraBody))
+    async def load_lora_adapter(self, request: Request) -> PlainTextResponse:
+        return await self.serving.load_lora(request)
+
+    @api.post("/v1/unload_lora_adapter", openapi_extra=documented_body(UnloadLoraBody))
+    async def unload_lora_adapter(self, request: Request) -> PlainTextResponse:
+        return await self.serving.unload_lora(request)
 
     @api.get("/health")
     async def health(self) -> JSONResponse:
