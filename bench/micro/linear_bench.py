@@ -2,11 +2,14 @@
 (12 layers' worth, every layer's weights distinct, so they stream from memory as in a step)
 and its LM head, at each number of rows, on oneDNN's prepacked product against our op
 (torch.ops.rayinfer.linear: the weights in panels in bf16 on AVX-512 BF16, else the plain
-kernel for one to three rows and oneDNN's past them).
+kernel for one to three rows and oneDNN's past them) and, where it runs, oneDNN's brgemm
+ukernel on the same panels (engine/kernels/csrc/brgemm_linear.cpp).
 
-    python -m bench.micro.linear_bench --dtype bfloat16 --rows 1,2,4,8,16,32,64
+    python -m bench.micro.linear_bench --dtype bfloat16 --rows 1,8,32,64 --threads 1,2
 
-Prints, per row count, the median time of one step's linears on each and the ratio.
+Prints, per thread count and row count, the best (and median) time of one step's linears
+on each, and each one's ratio to oneDNN's. Best: on a shared machine the others' load only
+ever adds time.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import time
 
 import torch
 
-from engine.model.packed_linear import PackedLinear, load_few_rows
+from engine.model.packed_linear import PackedLinear, load_few_rows, runs_brgemm
 
 LAYERS = 12
 SHAPES = [(768, 2304), (768, 768), (768, 3072), (3072, 768)]  # (in, out): qkv, attn_out, mlp_fc, mlp_proj
@@ -35,34 +38,50 @@ def step_layers(dtype: torch.dtype) -> list[PackedLinear]:
     return [layer(*shape) for _ in range(LAYERS) for shape in SHAPES] + [layer(768, VOCAB, bias=False)]
 
 
-def step_ms(layers: list[PackedLinear], rows: int, ours: bool, repeats: int) -> float:
+LIMITS = {"ours": (-1, 0), "brgemm": (0, 64)}  # kernel: (max_rows, brgemm_rows)
+
+
+def step_ms(layers: list[PackedLinear], rows: int, kernel: str, repeats: int) -> tuple[float, float]:
+    """(best, median) ms of one step's linears on `kernel`: oneDNN, ours or brgemm."""
     inputs = {n_in: torch.randn(rows, n_in).to(layers[0].packed_weight.dtype) for n_in, _ in SHAPES}
     times = []
     for _ in range(repeats + 2):
         start = time.perf_counter()
         for layer in layers:
             x = inputs[layer.in_features]
-            if ours:
-                layer(x)
-            else:
+            if kernel == "oneDNN":
                 torch.ops.mkldnn._linear_pointwise(x, layer.packed_weight, layer.bias, "none", [], "")
+            else:
+                torch.ops.rayinfer.linear(x, layer.packed_weight, layer.weight, layer.bias, "none", None,
+                                          *LIMITS[kernel])
         times.append(time.perf_counter() - start)
-    return statistics.median(times[2:]) * 1000
+    return min(times[2:]) * 1000, statistics.median(times[2:]) * 1000
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--rows", default="1,2,4,8,16,32,64")
+    parser.add_argument("--threads", default=str(torch.get_num_threads()))
     parser.add_argument("--repeats", type=int, default=10)
     args = parser.parse_args()
     load_few_rows()
     layers = step_layers(getattr(torch, args.dtype))
-    print(f"{args.dtype}, our weights {'in panels' if layers[0].weight.dim() == 4 else 'plain'}")
+    kernels = ["oneDNN", "ours", *(["brgemm"] if runs_brgemm(layers[0]) else [])]
+    print(f"{args.dtype}, our weights {'in panels' if layers[0].weight.dim() == 4 else 'plain'}, "
+          f"brgemm {'runs' if 'brgemm' in kernels else 'does not run'} here")
     with torch.inference_mode():
-        for rows in (int(r) for r in args.rows.split(",")):
-            onednn, ours = (step_ms(layers, rows, flag, args.repeats) for flag in (False, True))
-            print(f"{rows:3d} rows: oneDNN {onednn:7.2f} ms, ours {ours:7.2f} ms ({onednn / ours:.2f}x)")
+        for threads in (int(t) for t in args.threads.split(",")):
+            torch.set_num_threads(threads)
+            for rows in (int(r) for r in args.rows.split(",")):
+                print(f"{threads} threads {rows:3d} rows: " + row_line(layers, rows, kernels, args.repeats))
+
+
+def row_line(layers: list[PackedLinear], rows: int, kernels: list[str], repeats: int) -> str:
+    times = {kernel: step_ms(layers, rows, kernel, repeats) for kernel in kernels}
+    onednn = times["oneDNN"][0]
+    return ", ".join(f"{kernel} {best:7.2f} ms (median {median:7.2f}, {onednn / best:.2f}x)"
+                     for kernel, (best, median) in times.items())
 
 
 if __name__ == "__main__":
