@@ -132,6 +132,7 @@ def test_a_later_start_loads_the_table_and_a_changed_key_tunes_again(tiny_gpt2_d
     first = apply_measured_choices(engine.config, engine.runner.model, engine.step_threads)
     assert len(calls) == 1 and len(list(tmp_path.glob("*.json"))) == 1
     assert {layer.max_rows for layer in packed_layers(llm)} == {first.linear_max_rows}
+    assert {layer.brgemm_rows for layer in packed_layers(llm)} == {first.linear_brgemm_rows or 0}
     assert engine.step_threads.one_thread_max_tokens == first.one_thread_max_tokens
     assert apply_measured_choices(engine.config, engine.runner.model, engine.step_threads) == first
     assert len(calls) == 1  # loaded, not measured
@@ -164,12 +165,13 @@ def test_options_set_by_hand_are_not_measured(tiny_gpt2_dir, monkeypatch):
 def test_the_engine_sets_the_measured_choices_before_its_graph_is_traced(tiny_gpt2_dir, tmp_path, monkeypatch):
     monkeypatch.setenv(tuning_cache.TUNING_DIR_ENV, str(tmp_path))  # no table yet: it measures
     tuned, seen = [], []
-    monkeypatch.setattr(kernel_choice, "tune", lambda model, *_: tuned.append(model) or Tuning(2, 5, "ours"))
+    monkeypatch.setattr(kernel_choice, "tune", lambda model, *_: tuned.append(model)
+                        or Tuning(2, 5, "ours", linear_brgemm_rows=8))
     monkeypatch.setattr(DecodeGraph, "warm_up", lambda *_: seen.append(
-        {m.max_rows for m in tuned[0].modules() if isinstance(m, PackedLinear)}))
+        {(m.max_rows, m.brgemm_rows) for m in tuned[0].modules() if isinstance(m, PackedLinear)}))
     llm = LLM(str(tiny_gpt2_dir), weights="pretrained", dtype=DTYPE, device="cpu", compile_decode=True,
               num_threads=2)
-    assert tuned == [llm.engine.runner.model] and seen == [{2}]
+    assert tuned == [llm.engine.runner.model] and seen == [{(2, 8)}]
     assert llm.engine.step_threads.one_thread_max_tokens == 5
 
 
