@@ -9,7 +9,9 @@ What it decides (each only where its option is `auto`):
   win at every count it takes: the measurement finds either, with no ISA flag read. Where
   oneDNN's brgemm ukernel runs bf16 on our panels (engine/kernels/csrc/brgemm_linear.cpp: AMX
   tiles where the CPU has them) it is a third candidate, for the counts between ours and
-  oneDNN's product (PackedLinear.brgemm_rows).
+  oneDNN's product (PackedLinear.brgemm_rows). SGLang's CPU GEMM fixes that split (its own
+  AVX-512 BF16 kernel up to 4 rows, brgemm past them, sgl-kernel/csrc/cpu/gemm.h); here it is
+  measured, and may be empty.
 - decode_attention: our kernel or the expression inductor compiles, one for the graph:
   both timed on the engine's KV pool at a few decode batches (the expression compiled
   alone first, outside the time budget).
