@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 LinearsMode = Literal["auto", "reference"]
 # A hot op's implementation: our C++ kernel (native), torch's (torch), or native where it runs (auto).
 KernelChoice = Literal["auto", "native", "torch"]
+LinearChoice = Literal["auto", "native", "brgemm", "torch"]  # small_batch_linear's: KernelChoice's and brgemm
 
 _DTYPES = {  # name -> torch's name for it
     "float32": "float32",
@@ -87,7 +88,12 @@ class EngineConfig:
     # the linears are packed and they build, up to the row count where oneDNN's gets faster,
     # measured on this machine with the decode graph's compile (engine/core/tuner.py; cached);
     # until then, and without the graph, up to the kernel's own limit. Else oneDNN's, logged.
-    small_batch_linear: KernelChoice = "auto"
+    # Where oneDNN's brgemm ukernel runs bf16 (avx512_core or newer; AMX tiles where the CPU
+    # has them), auto measures it too, on the same panels (engine/kernels/csrc/brgemm_linear.cpp),
+    # for the counts between ours and oneDNN's product. brgemm: it for every step up to 64
+    # rows, oneDNN's product past them; an error where it does not run. One option, not a new
+    # one: the three are candidates for the same steps, and `auto` picks among them.
+    small_batch_linear: LinearChoice = "auto"
     seed: int = 0
     block_size: int = 16
     # KV pool size: a block count wins over a memory budget; neither means "fit max_num_seqs
@@ -145,9 +151,7 @@ class EngineConfig:
         for name in ("compile_decode", "cuda_graphs"):
             if getattr(self, name) not in (True, False, "auto"):
                 raise ValueError(f"{name} must be true, false or auto, got {getattr(self, name)!r}")
-        for name in ("decode_attention", "sampler", "small_batch_linear"):
-            if getattr(self, name) not in get_args(KernelChoice):
-                raise ValueError(f"{name} must be auto, native or torch, got {getattr(self, name)!r}")
+        self._check_kernel_choices()
         if self.linears not in ("auto", "reference"):
             raise ValueError(f"linears must be auto or reference, got {self.linears!r}")
         if not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
@@ -176,6 +180,13 @@ class EngineConfig:
         if self.max_num_batched_tokens != "auto" and self.max_num_batched_tokens < self.max_num_seqs:
             # Every running sequence must be able to decode in every step.
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs")
+
+    def _check_kernel_choices(self) -> None:
+        for name in ("decode_attention", "sampler"):
+            if getattr(self, name) not in get_args(KernelChoice):
+                raise ValueError(f"{name} must be auto, native or torch, got {getattr(self, name)!r}")
+        if self.small_batch_linear not in get_args(LinearChoice):
+            raise ValueError(f"small_batch_linear must be auto, native, brgemm or torch, got {self.small_batch_linear!r}")
 
     def _check_lora(self) -> None:
         _require_positive("max_lora_rank", self.max_lora_rank)

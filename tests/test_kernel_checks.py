@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine.kernels import native, native_attention
-from engine.model.packed_linear import PackedLinear, can_pack, in_panels, load_few_rows
+from engine.model.packed_linear import PackedLinear, can_pack, in_panels, load_few_rows, runs_brgemm
 
 HEADS, BLOCKS, BLOCK_SIZE, HEAD_DIM, ROWS = 4, 8, 16, 16, 3
 
@@ -268,3 +268,55 @@ def test_linear_refuses_panels_it_cannot_walk(dtype: torch.dtype) -> None:
         linear(module, x, weight=every_other(panels))
     with pytest.raises(RuntimeError, match="panels"):
         linear(module, x, weight=panels[:, :, :-1].contiguous())
+
+
+# ---- linear on oneDNN's brgemm ukernel (past max_rows, up to brgemm_rows) ----
+
+def brgemm_layer() -> PackedLinear:
+    """A bf16 layer whose small steps run brgemm; skips where they cannot."""
+    if not can_pack(torch.device("cpu"), torch.bfloat16):
+        pytest.skip("oneDNN does not pack bf16 on this CPU")
+    module = layer(torch.bfloat16)
+    if not runs_brgemm(module):
+        pytest.skip("no bf16 panels here, or oneDNN's brgemm ukernel does not run bf16 (it needs avx512_core)")
+    return module
+
+
+def on_brgemm(module: PackedLinear, x: torch.Tensor, **changed) -> torch.Tensor:
+    return linear(module, x, **changed, max_rows=0, brgemm_rows=64)
+
+
+@pytest.mark.parametrize("rows", [1, 64])
+def test_brgemm_refuses_a_bias_or_residual_of_another_size(rows: int) -> None:
+    module = brgemm_layer()
+    x = torch.randn(rows, IN).bfloat16()
+    with pytest.raises(RuntimeError, match=rf"bias \[{OUT}\], got \[{OUT - 1}\]"):
+        on_brgemm(module, x, bias=module.bias[:-1])
+    with pytest.raises(RuntimeError, match=f"does not hold y's {rows * OUT} elements"):
+        on_brgemm(module, x, epilogue="add", other=torch.zeros(rows + 1, OUT).bfloat16())
+
+
+def test_brgemm_refuses_x_of_another_width_or_dtype() -> None:
+    module = brgemm_layer()
+    with pytest.raises(RuntimeError, match=f"does not end in the weight's {IN} inputs"):
+        on_brgemm(module, torch.randn(1, IN + 2).bfloat16())
+    with pytest.raises(RuntimeError, match="the weight .x's dtype. must be"):
+        on_brgemm(module, torch.randn(1, IN))
+
+
+def test_brgemm_refuses_panels_it_cannot_walk() -> None:
+    module = brgemm_layer()
+    x = torch.randn(2, IN).bfloat16()
+    with pytest.raises(RuntimeError, match="panels must be contiguous"):
+        on_brgemm(module, x, weight=every_other(module.weight))
+    with pytest.raises(RuntimeError, match="panels"):
+        on_brgemm(module, x, weight=module.weight[:, :, :-1].contiguous())
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64])
+def test_brgemm_reads_a_strided_x_bias_and_residual_as_their_copies(rows: int) -> None:
+    module = brgemm_layer()
+    x, residual = torch.randn(rows, IN).bfloat16(), torch.randn(rows, OUT).bfloat16()
+    strided = on_brgemm(module, every_other(x), bias=every_other(module.bias), epilogue="add",
+                        other=every_other(residual))
+    torch.testing.assert_close(strided, on_brgemm(module, x, epilogue="add", other=residual), atol=0, rtol=0)

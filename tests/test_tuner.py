@@ -20,10 +20,10 @@ import engine.core.tuner as tuner
 import engine.core.tuning_cache as tuning_cache
 from engine import LLM
 from engine.core.kernel_choice import apply_measured_choices
-from engine.core.tuner import Tuning, cheaper, race, threshold, tune
+from engine.core.tuner import Tuning, cheaper, race, segments, threshold, tune
 from engine.model.attention import decode_attention_with_own
 from engine.model.decode_graph import DecodeGraph
-from engine.model.packed_linear import PackedLinear, can_pack, own_max_rows
+from engine.model.packed_linear import PackedLinear, can_pack, own_max_rows, runs_brgemm
 from tests.engine_helpers import mixed_prompts, write_peaked_gpt2_small
 from tests.test_decode_graph import assert_fast_scores_close
 
@@ -80,11 +80,36 @@ def test_the_threshold_is_where_the_candidates_cross_and_one_noisy_count_does_no
 def test_the_tuner_picks_the_faster_linear(tiny_gpt2_dir, monkeypatch, slow):
     layers = packed_layers(tiny_llm(tiny_gpt2_dir))
     monkeypatch.setattr(tuner, "LINEAR_ROWS", (1, 2, 4))
-    monkeypatch.setattr(tuner, "_step", lambda layers, rows, max_rows: fake((max_rows == -1) == (slow == "ours")))
+    monkeypatch.setattr(tuner, "runs_brgemm", lambda layer: False)  # two candidates here; three below
+    monkeypatch.setattr(tuner, "_step", lambda layers, rows, max_rows, brgemm_rows=0:
+                        fake((max_rows == -1) == (slow == "ours")))
     measured = [rows for rows in (1, 2, 4) if rows <= own_max_rows(layers[0])]
     tuning = tune(torch.nn.ModuleList(layers), linears=True, threads=None)
     assert tuning.linear_max_rows == (0 if slow == "ours" else measured[-1])
     assert {(t.rows, t.candidate) for t in tuning.timings} == {(r, c) for r in measured for c in ("ours", "oneDNN")}
+
+
+@pytest.mark.parametrize("fast", ["ours", "brgemm", "oneDNN"])
+def test_the_tuner_picks_brgemm_where_it_runs_and_is_the_faster(tiny_gpt2_dir, monkeypatch, fast):
+    layers = packed_layers(tiny_llm(tiny_gpt2_dir))
+    candidates = {(-1, 0): "ours", (0, 0): "oneDNN", (0, 64): "brgemm"}
+    monkeypatch.setattr(tuner, "LINEAR_ROWS", (1, 2, 4, 64))
+    monkeypatch.setattr(tuner, "runs_brgemm", lambda layer: True)
+    monkeypatch.setattr(tuner, "_step", lambda layers, rows, max_rows, brgemm_rows=0:
+                        fake(candidates[max_rows, brgemm_rows] != fast))
+    tuning = tune(torch.nn.ModuleList(layers), linears=True, threads=None)
+    measured = [rows for rows in (1, 2, 4, 64) if rows <= own_max_rows(layers[0])]
+    expected = {"ours": (measured[-1], 0), "brgemm": (0, measured[-1]), "oneDNN": (0, 0)}[fast]
+    assert (tuning.linear_max_rows, tuning.linear_brgemm_rows) == expected
+    assert {t.candidate for t in tuning.timings} == {"ours", "brgemm", "oneDNN"}
+
+
+def test_the_segments_are_where_the_three_cross_and_ties_keep_brgemm_out():
+    # ours fastest at 1-2 rows, brgemm at 8-32, oneDNN's at 64
+    times = [(1, 1.0, 3.0, 4.0), (2, 1.0, 3.0, 4.0), (8, 3.0, 1.0, 2.0), (32, 3.0, 1.0, 2.0), (64, 3.0, 2.0, 1.0)]
+    assert segments(times) == (2, 32)
+    assert segments([(1, 1.0, 1.0, 2.0), (2, 1.0, 1.0, 2.0)]) == (2, 2)  # brgemm only ties ours: not taken
+    assert segments([(1, 2.0, 1.0, 3.0)]) == (0, 1)
 
 
 @pytest.mark.parametrize("slow", ["1 thread", "2 threads"])
@@ -107,6 +132,7 @@ def test_a_later_start_loads_the_table_and_a_changed_key_tunes_again(tiny_gpt2_d
     first = apply_measured_choices(engine.config, engine.runner.model, engine.step_threads)
     assert len(calls) == 1 and len(list(tmp_path.glob("*.json"))) == 1
     assert {layer.max_rows for layer in packed_layers(llm)} == {first.linear_max_rows}
+    assert {layer.brgemm_rows for layer in packed_layers(llm)} == {first.linear_brgemm_rows or 0}
     assert engine.step_threads.one_thread_max_tokens == first.one_thread_max_tokens
     assert apply_measured_choices(engine.config, engine.runner.model, engine.step_threads) == first
     assert len(calls) == 1  # loaded, not measured
@@ -139,12 +165,13 @@ def test_options_set_by_hand_are_not_measured(tiny_gpt2_dir, monkeypatch):
 def test_the_engine_sets_the_measured_choices_before_its_graph_is_traced(tiny_gpt2_dir, tmp_path, monkeypatch):
     monkeypatch.setenv(tuning_cache.TUNING_DIR_ENV, str(tmp_path))  # no table yet: it measures
     tuned, seen = [], []
-    monkeypatch.setattr(kernel_choice, "tune", lambda model, *_: tuned.append(model) or Tuning(2, 5, "ours"))
+    monkeypatch.setattr(kernel_choice, "tune", lambda model, *_: tuned.append(model)
+                        or Tuning(2, 5, "ours", linear_brgemm_rows=8))
     monkeypatch.setattr(DecodeGraph, "warm_up", lambda *_: seen.append(
-        {m.max_rows for m in tuned[0].modules() if isinstance(m, PackedLinear)}))
+        {(m.max_rows, m.brgemm_rows) for m in tuned[0].modules() if isinstance(m, PackedLinear)}))
     llm = LLM(str(tiny_gpt2_dir), weights="pretrained", dtype=DTYPE, device="cpu", compile_decode=True,
               num_threads=2)
-    assert tuned == [llm.engine.runner.model] and seen == [{2}]
+    assert tuned == [llm.engine.runner.model] and seen == [{(2, 8)}]
     assert llm.engine.step_threads.one_thread_max_tokens == 5
 
 
@@ -175,15 +202,19 @@ def gpt2_small_reference(gpt2_small_dir) -> LLM:
 
 
 # Each linear the tuner may choose: oneDNN's for every step (and small_batch_linear: torch),
-# ours for every step it takes (its own limit), and a crossover between.
-@pytest.mark.parametrize("option, max_rows", [("torch", None), ("auto", 0), ("auto", 2), ("auto", -1)])
+# ours for every step it takes (its own limit), a crossover between, and, where oneDNN's
+# brgemm ukernel runs, brgemm for every step (and small_batch_linear: brgemm) or after ours.
+@pytest.mark.parametrize("option, max_rows, brgemm_rows", [
+    ("torch", None, 0), ("auto", 0, 0), ("auto", 2, 0), ("auto", -1, 0), ("auto", 0, 64), ("auto", 2, 4)])
 def test_every_linear_the_tuner_may_pick_matches_the_reference_at_gpt2_small_size(
-        gpt2_small_dir, gpt2_small_reference, option, max_rows):
+        gpt2_small_dir, gpt2_small_reference, option, max_rows, brgemm_rows):
     fast = LLM(str(gpt2_small_dir), weights="pretrained", dtype=DTYPE, device="cpu", compile_decode=False,
                small_batch_linear=option, num_kv_blocks=NUM_KV_BLOCKS)
+    if brgemm_rows and not runs_brgemm(fast.engine.runner.model.lm_head):
+        pytest.skip("oneDNN's brgemm ukernel does not run bf16 on our panels here (no AVX-512 BF16 / avx512_core)")
     for layer in packed_layers(fast):
         assert layer.few_rows == (option == "auto")
-        layer.max_rows = -1 if max_rows is None else max_rows
+        layer.max_rows, layer.brgemm_rows = (-1 if max_rows is None else max_rows), brgemm_rows
     prompts = mixed_prompts(6)  # decodes of 1 to 6 rows
     assert_fast_scores_close(fast, gpt2_small_reference, prompts[:1], ATOL)
     assert_fast_scores_close(fast, gpt2_small_reference, prompts, ATOL)

@@ -2,29 +2,33 @@
 (12 layers' worth, every layer's weights distinct, so they stream from memory as in a step)
 and its LM head, at each number of rows, on oneDNN's prepacked product against our op
 (torch.ops.rayinfer.linear: the weights in panels in bf16 on AVX-512 BF16, else the plain
-kernel for one to three rows and oneDNN's past them).
+kernel for one to three rows and oneDNN's past them) and, where it runs, oneDNN's brgemm
+ukernel on the same panels (engine/kernels/csrc/brgemm_linear.cpp).
 
-    python -m bench.micro.linear_bench --dtype bfloat16 --rows 1,2,4,8,16,32,64
+    python -m bench.micro.linear_bench --dtype bfloat16 --rows 1,8,32,64 --threads 1,2
+    python -m bench.micro.linear_bench --layers 1 --no-lm-head  # one block's four, cache-resident
 
-Prints, per row count, the median time of one step's linears on each and the ratio.
+Prints, per thread count and row count, the best time of one step's linears on each (the
+tuner's race: the kernels interleaved, a call of each a round, so a busy machine's drift
+falls on all alike; best, as the others' load only ever adds time), and its ratio to oneDNN's.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
+from collections.abc import Callable
 
 import torch
 
-from engine.model.packed_linear import PackedLinear, load_few_rows
+from engine.core.tuner import race
+from engine.model.packed_linear import PackedLinear, load_few_rows, runs_brgemm
 
 LAYERS = 12
 SHAPES = [(768, 2304), (768, 768), (768, 3072), (3072, 768)]  # (in, out): qkv, attn_out, mlp_fc, mlp_proj
 VOCAB = 50257
 
 
-def step_layers(dtype: torch.dtype) -> list[PackedLinear]:
+def step_layers(dtype: torch.dtype, num_layers: int = LAYERS, lm_head: bool = True) -> list[PackedLinear]:
     """Every linear of a GPT-2-small step in the order a step runs them, with distinct weights."""
     generator = torch.Generator().manual_seed(0)
 
@@ -32,37 +36,51 @@ def step_layers(dtype: torch.dtype) -> list[PackedLinear]:
         weight = (torch.randn(n_out, n_in, generator=generator) * 0.02).to(dtype)
         return PackedLinear(weight, torch.zeros(n_out, dtype=dtype) if bias else None, few_rows=True)
 
-    return [layer(*shape) for _ in range(LAYERS) for shape in SHAPES] + [layer(768, VOCAB, bias=False)]
+    return [layer(*shape) for _ in range(num_layers) for shape in SHAPES] + ([layer(768, VOCAB, bias=False)] * lm_head)
 
 
-def step_ms(layers: list[PackedLinear], rows: int, ours: bool, repeats: int) -> float:
+LIMITS = {"ours": (-1, 0), "brgemm": (0, 64)}  # kernel: (max_rows, brgemm_rows)
+
+
+def step(layers: list[PackedLinear], rows: int, kernel: str) -> Callable[[], None]:
+    """One step's linears on `kernel`: oneDNN, ours or brgemm."""
     inputs = {n_in: torch.randn(rows, n_in).to(layers[0].packed_weight.dtype) for n_in, _ in SHAPES}
-    times = []
-    for _ in range(repeats + 2):
-        start = time.perf_counter()
+
+    def run() -> None:
         for layer in layers:
             x = inputs[layer.in_features]
-            if ours:
-                layer(x)
-            else:
+            if kernel == "oneDNN":
                 torch.ops.mkldnn._linear_pointwise(x, layer.packed_weight, layer.bias, "none", [], "")
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[2:]) * 1000
+            else:
+                torch.ops.rayinfer.linear(x, layer.packed_weight, layer.weight, layer.bias, "none", None,
+                                          *LIMITS[kernel])
+    return run
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--rows", default="1,2,4,8,16,32,64")
+    parser.add_argument("--threads", default=str(torch.get_num_threads()))
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--layers", type=int, default=LAYERS)
+    parser.add_argument("--no-lm-head", action="store_true")
     args = parser.parse_args()
     load_few_rows()
-    layers = step_layers(getattr(torch, args.dtype))
-    print(f"{args.dtype}, our weights {'in panels' if layers[0].weight.dim() == 4 else 'plain'}")
+    layers = step_layers(getattr(torch, args.dtype), args.layers, not args.no_lm_head)
+    kernels = ["oneDNN", "ours", *(["brgemm"] if runs_brgemm(layers[0]) else [])]
+    print(f"{args.dtype}, our weights {'in panels' if layers[0].weight.dim() == 4 else 'plain'}, "
+          f"brgemm {'runs' if 'brgemm' in kernels else 'does not run'} here")
     with torch.inference_mode():
-        for rows in (int(r) for r in args.rows.split(",")):
-            onednn, ours = (step_ms(layers, rows, flag, args.repeats) for flag in (False, True))
-            print(f"{rows:3d} rows: oneDNN {onednn:7.2f} ms, ours {ours:7.2f} ms ({onednn / ours:.2f}x)")
+        for threads in (int(t) for t in args.threads.split(",")):
+            torch.set_num_threads(threads)
+            for rows in (int(r) for r in args.rows.split(",")):
+                print(f"{threads} threads {rows:3d} rows: " + row_line(layers, rows, kernels, args.repeats))
+
+
+def row_line(layers: list[PackedLinear], rows: int, kernels: list[str], repeats: int) -> str:
+    times = race({kernel: step(layers, rows, kernel) for kernel in kernels}, repeats)
+    return ", ".join(f"{kernel} {best:7.2f} ms ({times['oneDNN'] / best:.2f}x)" for kernel, best in times.items())
 
 
 if __name__ == "__main__":

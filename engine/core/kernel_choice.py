@@ -14,12 +14,12 @@ import engine.core.tuning_cache as tuning_cache
 import engine.kernels.native as native
 import engine.kernels.native_attention as native_attention
 from engine.model.attention import decode_attention_with_own
-from engine.config import EngineConfig, KernelChoice
+from engine.config import EngineConfig, KernelChoice, LinearChoice
 from engine.core.step_threads import StepThreads
 from engine.core.tuner import Tuning, tune
 from engine.model.decode_graph import DecodeGraph
 from engine.model.gpt2 import GPT2LMHead
-from engine.model.packed_linear import PackedLinear, can_pack, load_few_rows
+from engine.model.packed_linear import PackedLinear, can_pack, load_few_rows, runs_brgemm
 from engine.sampling.sampler import Draw
 
 logger = logging.getLogger(__name__)
@@ -66,6 +66,19 @@ def small_batch_linear(config: EngineConfig) -> bool:
     return True
 
 
+def use_forced_linear(config: EngineConfig, model: GPT2LMHead) -> GPT2LMHead:
+    """The model; with small_batch_linear: brgemm, every small step of every packed linear on
+    oneDNN's brgemm ukernel, an error where it cannot run (no bf16 panels, or no avx512_core)."""
+    if config.small_batch_linear != "brgemm":
+        return model
+    if not (isinstance(model.lm_head, PackedLinear) and runs_brgemm(model.lm_head)):
+        raise ValueError("small_batch_linear: brgemm needs bf16 weights in panels (AVX-512 BF16) on a CPU where "
+                         "oneDNN's brgemm ukernel runs bf16 (avx512_core or newer)")
+    _set_linear_limits(model, 0, 64)
+    logger.info("small_batch_linear: small steps on oneDNN's brgemm ukernel")
+    return model
+
+
 def apply_measured_choices(config: EngineConfig, model: GPT2LMHead, step_threads: StepThreads,
                            graph: DecodeGraph | None = None, kv_pool: torch.Tensor | None = None) -> Tuning | None:
     """The `auto` choices the tuner measures (engine/core/tuner.py: small_batch_linear's
@@ -105,20 +118,24 @@ def _apply(tuning: Tuning, model: GPT2LMHead, step_threads: StepThreads, graph: 
     if tuning.decode_attention == "torch" and graph is not None:
         graph.use_attention(decode_attention_with_own)
     if tuning.linear_max_rows is not None:
-        for layer in model.modules():
-            if isinstance(layer, PackedLinear):
-                layer.max_rows = tuning.linear_max_rows
+        _set_linear_limits(model, tuning.linear_max_rows, tuning.linear_brgemm_rows or 0)
     if tuning.one_thread_max_tokens is not None:
         step_threads.one_thread_max_tokens = tuning.one_thread_max_tokens
 
 
-def _wants_native(option: str, choice: KernelChoice, fits: bool, why_not: str) -> bool:
-    if choice == "native" and not fits:
-        raise ValueError(f"{option}: native {why_not}")
+def _set_linear_limits(model: GPT2LMHead, max_rows: int, brgemm_rows: int) -> None:
+    for layer in model.modules():
+        if isinstance(layer, PackedLinear):
+            layer.max_rows, layer.brgemm_rows = max_rows, brgemm_rows
+
+
+def _wants_native(option: str, choice: KernelChoice | LinearChoice, fits: bool, why_not: str) -> bool:
+    if choice in ("native", "brgemm") and not fits:
+        raise ValueError(f"{option}: {choice} {why_not}")
     return choice != "torch" and fits
 
 
-def _fall_back(option: str, choice: KernelChoice, exc: Exception, instead: str) -> None:
-    if choice == "native":
-        raise ValueError(f"{option}: native: the C++ kernel did not build here ({exc!r})") from exc
+def _fall_back(option: str, choice: KernelChoice | LinearChoice, exc: Exception, instead: str) -> None:
+    if choice in ("native", "brgemm"):
+        raise ValueError(f"{option}: {choice}: the C++ kernel did not build here ({exc!r})") from exc
     logger.info("%s: our C++ kernel is not available; %s", option, instead)

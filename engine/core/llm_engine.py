@@ -17,7 +17,8 @@ from engine.model.cuda_graphs import CudaGraphDecode
 from engine.model.decode_graph import DecodeGraph
 from engine.model.graph_compile import BackgroundCompile
 from engine.core.heap import limit_onednn_caches
-from engine.core.kernel_choice import apply_measured_choices, decode_attention, sampler_draw, small_batch_linear
+from engine.core.kernel_choice import (apply_measured_choices, decode_attention, sampler_draw, small_batch_linear,
+                                       use_forced_linear)
 from engine.model.loader import ModelSource, load_state_dict, resolve_model
 from engine.request.token_logprob import TokenLogprob
 from engine.core.model_runner import ModelOutput, ModelRunner
@@ -64,8 +65,8 @@ class LLMEngine:
         self.step_threads = _set_up_threads(config)
         with progress(f"loading {config.model} ({config.weights} weights) and our C++ kernels"):
             source = resolve_model(config.model, config.weights)
-            model = build_model(source, config.torch_dtype, config.torch_device, config.seed, config.linears,
-                                few_rows=small_batch_linear(config))
+            model = use_forced_linear(config, build_model(source, config.torch_dtype, config.torch_device, config.seed,
+                                                          config.linears, few_rows=small_batch_linear(config)))
         hf = source.config
         self.max_model_len = min(config.max_model_len or hf.n_positions, hf.n_positions)
         self.eos_token_id = hf.eos_token_id if hf.eos_token_id is not None else hf.vocab_size - 1

@@ -6,7 +6,12 @@ What it decides (each only where its option is `auto`):
   product past them (PackedLinear.max_rows). Both are timed on every linear of the model,
   in step order (so the weights stream from memory as in a step), at 1 to 64 rows. Where
   oneDNN runs on AMX tiles its product wins from a few rows on, where it does not ours may
-  win at every count it takes: the measurement finds either, with no ISA flag read.
+  win at every count it takes: the measurement finds either, with no ISA flag read. Where
+  oneDNN's brgemm ukernel runs bf16 on our panels (engine/kernels/csrc/brgemm_linear.cpp: AMX
+  tiles where the CPU has them) it is a third candidate, for the counts between ours and
+  oneDNN's product (PackedLinear.brgemm_rows). SGLang's CPU GEMM fixes that split (its own
+  AVX-512 BF16 kernel up to 4 rows, brgemm past them, sgl-kernel/csrc/cpu/gemm.h); here it is
+  measured, and may be empty.
 - decode_attention: our kernel or the expression inductor compiles, one for the graph:
   both timed on the engine's KV pool at a few decode batches (the expression compiled
   alone first, outside the time budget).
@@ -25,6 +30,7 @@ the same key loads it in milliseconds.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -34,7 +40,7 @@ import torch
 import engine.kernels.onednn_linear as onednn
 from engine.kernels.inductor import compile_for
 from engine.model.attention import decode_attention_with_own
-from engine.model.packed_linear import PackedLinear, own_max_rows
+from engine.model.packed_linear import PackedLinear, own_max_rows, runs_brgemm
 
 logger = logging.getLogger(__name__)
 
@@ -66,10 +72,12 @@ class Tuning:
     decode_attention: str | None = None  # "ours" or "torch"
     timings: tuple[Timing, ...] = ()
     complete: bool = True  # every candidate measured within BUDGET_S
+    linear_brgemm_rows: int | None = None  # past linear_max_rows, up to it: oneDNN's brgemm ukernel
 
     def log(self, source: str) -> None:
         """The table, each candidate's time a line, and the winners, once per engine."""
         winners = [f"{name} {value}" for name, value in (("small_batch_linear: ours up to rows", self.linear_max_rows),
+                                                          ("brgemm up to rows", self.linear_brgemm_rows),
                                                           ("one_thread_max_tokens", self.one_thread_max_tokens),
                                                           ("decode_attention", self.decode_attention))
                    if value is not None]
@@ -111,33 +119,65 @@ def tune(model: torch.nn.Module, linears: bool, threads: int | None, kv_pool: to
     layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
     deadline = time.monotonic() + (BUDGET_S if budget_s is None else budget_s)
     timings: list[Timing] = []
-    max_rows = one_thread = None
+    max_rows = brgemm_rows = one_thread = None
     complete = True
     if linears and layers and layers[0].few_rows:
-        max_rows, found, done = _tune_linears(layers, deadline)
+        (max_rows, brgemm_rows), found, done = _tune_linears(layers, deadline)
         timings, complete = timings + found, complete and done
     if threads is not None and threads > 1 and layers:
-        one_thread, found, done = _tune_threads(layers, -1 if max_rows is None else max_rows, threads, deadline)
+        limits = (-1 if max_rows is None else max_rows, brgemm_rows or 0)
+        one_thread, found, done = _tune_threads(layers, limits, threads, deadline)
         timings, complete = timings + found, complete and done
     attention = None
     if kv_pool is not None:
         attention, found, done = _tune_attention(kv_pool, deadline)
         timings, complete = timings + found, complete and done
-    return Tuning(max_rows, one_thread, attention, tuple(timings), complete)
+    return Tuning(max_rows, one_thread, attention, tuple(timings), complete, brgemm_rows)
 
 
-def _tune_linears(layers: list[PackedLinear], deadline: float) -> tuple[int | None, list[Timing], bool]:
+Limits = tuple[int | None, int | None]  # (linear_max_rows, linear_brgemm_rows)
+
+
+def _tune_linears(layers: list[PackedLinear], deadline: float) -> tuple[Limits, list[Timing], bool]:
+    candidates = {"ours": (-1, 0), "oneDNN": (0, 0)}  # name: (max_rows, brgemm_rows)
+    if runs_brgemm(layers[0]):
+        candidates["brgemm"] = (0, LINEAR_ROWS[-1])
     timings, times = [], []
     for rows in (r for r in LINEAR_ROWS if r <= own_max_rows(layers[0])):
         if time.monotonic() > deadline:
-            return _limit(times, complete=False), timings, False
-        ms = race({"ours": _step(layers, rows, -1), "oneDNN": _step(layers, rows, 0)})
+            return _linear_limits(times, complete=False), timings, False
+        ms = race({name: _step(layers, rows, *limits) for name, limits in candidates.items()})
         timings += [Timing("small_batch_linear", rows, name, t) for name, t in ms.items()]
-        times.append((rows, ms["ours"], ms["oneDNN"]))
-    return _limit(times, complete=True), timings, True
+        times.append((rows, ms["ours"], ms.get("brgemm", math.inf), ms["oneDNN"]))
+    return _linear_limits(times, complete=True), timings, True
 
 
-def _tune_threads(layers: list[PackedLinear], max_rows: int, threads: int,
+def _linear_limits(times: list[tuple[int, float, float, float]], complete: bool) -> Limits:
+    """segments(times) where brgemm was measured, else threshold's; None each where the
+    measuring stopped early and its limit is the last count: past it nothing is known."""
+    if not times:
+        return None, None
+    if all(math.isinf(brgemm) for _, _, brgemm, _ in times):
+        return _limit([(rows, ours, onednn) for rows, ours, _, onednn in times], complete), None
+    ours, brgemm = segments(times)
+    last = times[-1][0]
+    if not complete and last in (ours, brgemm):
+        return (None if ours == last else ours), None
+    return ours, (brgemm if brgemm > ours else 0)
+
+
+def segments(times: Sequence[tuple[int, float, float, float]]) -> tuple[int, int]:
+    """(rows, ours' ms, brgemm's ms, oneDNN's ms) for ascending row counts -> (a, b): ours up to
+    a rows, brgemm past a up to b, oneDNN's past b (b == a: no brgemm); the pair whose choices
+    cost least, as threshold's cost. Ties keep the fewest rows on brgemm."""
+    def cost(pair: tuple[int, int]) -> float:
+        a, b = pair
+        return sum((ms[0] if rows <= a else ms[1] if rows <= b else ms[2]) / min(ms) for rows, *ms in times)
+    counts = (0, *(rows for rows, *_ in times))
+    return min(((a, b) for a in counts for b in counts if b >= a), key=lambda pair: (cost(pair), pair[1] - pair[0]))
+
+
+def _tune_threads(layers: list[PackedLinear], limits: tuple[int, int], threads: int,
                   deadline: float) -> tuple[int | None, list[Timing], bool]:
     timings, times = [], []
     before = torch.get_num_threads()
@@ -145,7 +185,7 @@ def _tune_threads(layers: list[PackedLinear], max_rows: int, threads: int,
         for rows in THREAD_ROWS:
             if time.monotonic() > deadline:
                 return _limit(times, complete=False), timings, False
-            step = _step(layers, rows, max_rows)
+            step = _step(layers, rows, *limits)
             ms = race({"1 thread": _on_threads(step, 1), f"{threads} threads": _on_threads(step, threads)})
             timings += [Timing("one_thread_max_tokens", rows, name, t) for name, t in ms.items()]
             times.append((rows, ms["1 thread"] / SHARED_CORES_MARGIN, ms[f"{threads} threads"]))
@@ -210,8 +250,9 @@ def _limit(times: list[tuple[int, float, float]], complete: bool) -> int | None:
     return None if not complete and limit == times[-1][0] else limit
 
 
-def _step(layers: list[PackedLinear], rows: int, max_rows: int) -> Callable[[], None]:
-    """A step's linears at `rows` rows, ours up to max_rows (-1: the kernel's limit; 0: none)."""
+def _step(layers: list[PackedLinear], rows: int, max_rows: int, brgemm_rows: int = 0) -> Callable[[], None]:
+    """A step's linears at `rows` rows, ours up to max_rows (-1: the kernel's limit; 0: none),
+    then brgemm up to brgemm_rows (0: none)."""
     dtype = layers[0].packed_weight.dtype
     inputs = {n: torch.randn(rows, n).to(dtype) for n in {layer.in_features for layer in layers}}
 
@@ -219,7 +260,8 @@ def _step(layers: list[PackedLinear], rows: int, max_rows: int) -> Callable[[], 
         for layer in layers:
             x = inputs[layer.in_features]
             if layer.few_rows:
-                torch.ops.rayinfer.linear(x, layer.packed_weight, layer.weight, layer.bias, "none", None, max_rows)
+                torch.ops.rayinfer.linear(x, layer.packed_weight, layer.weight, layer.bias, "none", None, max_rows,
+                                          brgemm_rows)
             else:
                 onednn.linear(x, layer.packed_weight, layer.bias)
     return run

@@ -28,7 +28,7 @@ from engine.kernels.cpu import cpu_features
 logger = logging.getLogger(__name__)
 
 TUNING_DIR_ENV = "RAYINFER_TUNING_DIR"
-TUNER_VERSION = 1  # raise it when the candidates or the rules change
+TUNER_VERSION = 2  # raise it when the candidates or the rules change
 _ISA_ENVS = ("RAYINFER_CPU_ISA", "ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")
 
 TuningKey = dict[str, object]
@@ -57,8 +57,7 @@ def load(key: TuningKey) -> Tuning | None:
         if saved["key"] != key:
             return None
         fields = saved["tuning"]
-        return Tuning(fields["linear_max_rows"], fields["one_thread_max_tokens"], fields["decode_attention"],
-                      tuple(Timing(**timing) for timing in fields["timings"]), fields["complete"])
+        return Tuning(**{**fields, "timings": tuple(Timing(**timing) for timing in fields["timings"])})
     except (OSError, ValueError, KeyError, TypeError):
         return None
 

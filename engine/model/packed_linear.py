@@ -42,6 +42,8 @@ class PackedLinear(nn.Module):
     one to three rows. `max_rows` caps the rows
     our op takes (more go to oneDNN's): -1, the kernel's own limit, until the tuner
     (engine/core/tuner.py) has measured where the two cross on this CPU; 0, oneDNN's always.
+    `brgemm_rows`: steps past max_rows and up to it run oneDNN's brgemm ukernel on the same bf16
+    panels (engine/kernels/csrc/brgemm_linear.cpp: AMX tiles where the CPU has them); 0, none.
     Without `few_rows` every step runs oneDNN's product (engine/kernels/onednn_linear.py).
     """
 
@@ -56,6 +58,7 @@ class PackedLinear(nn.Module):
         own = (panels(weight) if in_panels(weight) else weight.detach().contiguous()) if few_rows else None
         self.register_buffer("weight", own, persistent=False)
         self.max_rows = -1
+        self.brgemm_rows = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.with_epilogue(x, "none")
@@ -65,7 +68,7 @@ class PackedLinear(nn.Module):
         max_rows rows where few_rows, else on oneDNN's."""
         if self.few_rows:
             return torch.ops.rayinfer.linear(x, self.packed_weight, self.weight, self.bias, epilogue, other,
-                                             self.max_rows)
+                                             self.max_rows, self.brgemm_rows)
         return onednn.linear(x, self.packed_weight, self.bias, epilogue, other)
 
     @property
@@ -84,6 +87,14 @@ def own_max_rows(layer: PackedLinear) -> int:
     if layer.weight.dim() > 2:
         return 64
     return 2 if layer.weight.dtype == torch.float32 and native.isa_build() == "avx512" else 3
+
+
+def runs_brgemm(layer: PackedLinear) -> bool:
+    """Whether oneDNN's brgemm ukernel can take this layer's small steps: its weight in bf16
+    panels (oneDNN's VNNI layout), on a CPU where the ukernel runs bf16 (avx512_core or newer:
+    the kernels' probe; AVX2 CPUs, or ONEDNN_MAX_CPU_ISA=AVX2, have none)."""
+    return (layer.weight is not None and layer.weight.dim() == 4 and layer.weight.dtype == torch.bfloat16
+            and torch.ops.rayinfer.brgemm_available())
 
 
 PANEL = 32  # bf16 output features a panel: engine/kernels/csrc/blocked_linear.cpp's kPanel
@@ -122,7 +133,8 @@ def load_few_rows() -> None:
 
 
 def _linear_output(x: torch.Tensor, packed_weight: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                   epilogue: str = "none", other: torch.Tensor | None = None, max_rows: int = -1) -> torch.Tensor:
+                   epilogue: str = "none", other: torch.Tensor | None = None, max_rows: int = -1,
+                   brgemm_rows: int = 0) -> torch.Tensor:
     out_features = weight.shape[0] if weight.dim() == 2 else packed_weight.shape[0]  # panels pad to 32
     return x.new_empty((*x.shape[:-1], out_features))
 

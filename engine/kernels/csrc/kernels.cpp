@@ -7,6 +7,7 @@
 
 #include "blocked_linear.cpp"
 #include "blocked_linear_f32.cpp"
+#include "brgemm_linear.cpp"
 #include "decode_attention.cpp"
 #include "kv_write.cpp"
 #include "sampling.cpp"

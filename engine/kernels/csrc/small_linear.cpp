@@ -1,5 +1,6 @@
 // y = epilogue(x @ weight.T + bias) for a prepacked linear (engine/model/packed_linear.py): where
-// its weight is in bf16 panels, 1 to 64 rows on blocked_linear.cpp's kernel; in fp32 panels,
+// its weight is in bf16 panels, 1 to 64 rows on blocked_linear.cpp's kernel (or, past
+// max_rows and up to brgemm_rows, oneDNN's brgemm ukernel: brgemm_linear.cpp); in fp32 panels,
 // 1 to 64 rows on blocked_linear_f32.cpp's; where it is plain,
 // up to three rows on a pass over it of our own; for more, oneDNN's product on the packed one.
 // The epilogues are those inductor fuses into oneDNN's linears in the decode graph, which it
@@ -29,6 +30,8 @@ at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& panels, int64_t
                           int kind, const at::BFloat16* other);
 at::Tensor blocked_linear_f32(const at::Tensor& x, const at::Tensor& panels, int64_t n, const float* bias, int kind,
                               const float* other);
+at::Tensor brgemm_linear(const at::Tensor& x, const at::Tensor& panels, int64_t n, const at::BFloat16* bias, int kind,
+                         const at::BFloat16* other);
 // Past it oneDNN's product is as fast.
 constexpr int64_t kMaxBlockedRows = 64;
 }  // namespace rayinfer
@@ -139,18 +142,31 @@ int64_t rows_limit(int64_t own, int64_t asked) { return asked < 0 ? own : std::m
 template <typename T>
 using PanelKernel = at::Tensor (*)(const at::Tensor&, const at::Tensor&, int64_t, const T*, int, const T*);
 
-// Weights in panels of K inputs: bf16 [P, K/2, 32, 2] (blocked_linear.cpp) or fp32 [P, K, 16]
-// (blocked_linear_f32.cpp), 1 to 64 rows of the panels' dtype there; anything else, oneDNN's.
+// The kernels a weight in panels may run: ours up to max_rows rows, then (bf16 only, where
+// brgemm_rows asks) oneDNN's brgemm ukernel on the same panels up to brgemm_rows.
+template <typename T>
+struct PanelKernels {
+  PanelKernel<T> ours;
+  PanelKernel<T> brgemm;  // null: none for this dtype
+  int64_t max_rows, brgemm_rows;
+};
+
+// Weights in panels of K inputs: bf16 [P, K/2, 32, 2] (blocked_linear.cpp, brgemm_linear.cpp)
+// or fp32 [P, K, 16] (blocked_linear_f32.cpp), 1 to 64 rows of the panels' dtype there;
+// anything else, oneDNN's.
 template <typename T>
 at::Tensor on_panels(const at::Tensor& x, const at::Tensor& packed_weight, const at::Tensor& panels, int64_t K,
                      const std::optional<at::Tensor>& bias, c10::string_view epilogue,
-                     const std::optional<at::Tensor>& other, PanelKernel<T> kernel, int64_t max_rows) {
-  const int64_t N = packed_weight.size(0);
+                     const std::optional<at::Tensor>& other, const PanelKernels<T>& kernels) {
+  const int64_t N = packed_weight.size(0), rows = K > 0 ? x.numel() / K : 0;
   const auto dtype = c10::CppTypeToScalarType<T>::value;
   check_dtype(panels, dtype, "linear", "weight in panels");
   TORCH_CHECK(panels.is_contiguous(), "linear: the weight's panels must be contiguous");
-  const bool ours = x.numel() > 0 && x.numel() <= rows_limit(rayinfer::kMaxBlockedRows, max_rows) * K;
-  if (!ours) return onednn(x, packed_weight, bias, epilogue, other);
+  PanelKernel<T> kernel = nullptr;
+  if (rows > 0 && rows <= rows_limit(rayinfer::kMaxBlockedRows, kernels.max_rows)) kernel = kernels.ours;
+  else if (kernels.brgemm && rows > 0 && rows <= std::min(rayinfer::kMaxBlockedRows, kernels.brgemm_rows))
+    kernel = kernels.brgemm;
+  if (!kernel) return onednn(x, packed_weight, bias, epilogue, other);
   return kernel(x.contiguous(), panels, N, bias ? bias->const_data_ptr<T>() : nullptr, epilogue_kind(epilogue),
                 other ? other->const_data_ptr<T>() : nullptr);
 }
@@ -191,7 +207,7 @@ std::optional<at::Tensor> dense(const std::optional<at::Tensor>& t) {
 // Every path takes bias and other dense: oneDNN's linear reads them so whatever their strides.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed_weight, const at::Tensor& weight,
                   const std::optional<at::Tensor>& strided_bias, c10::string_view epilogue,
-                  const std::optional<at::Tensor>& strided_other, int64_t max_rows) {
+                  const std::optional<at::Tensor>& strided_other, int64_t max_rows, int64_t brgemm_rows) {
   TORCH_CHECK(epilogue == "none" || epilogue == "gelu" || epilogue == "add", "linear: unknown epilogue ", epilogue);
   TORCH_CHECK((epilogue == "add") == (strided_other.has_value() && strided_other->defined()),
               "linear: `other` goes with \"add\" alone");
@@ -199,10 +215,10 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed_weight, const at
   const std::optional<at::Tensor> bias = dense(strided_bias), other = dense(strided_other);
   if (weight.dim() == 4)
     return on_panels<at::BFloat16>(x, packed_weight, weight, 2 * weight.size(1), bias, epilogue, other,
-                                   rayinfer::blocked_linear, max_rows);
+                                   {rayinfer::blocked_linear, rayinfer::brgemm_linear, max_rows, brgemm_rows});
   if (weight.dim() == 3)
-    return on_panels<float>(x, packed_weight, weight, weight.size(1), bias, epilogue, other, rayinfer::blocked_linear_f32,
-                            max_rows);
+    return on_panels<float>(x, packed_weight, weight, weight.size(1), bias, epilogue, other,
+                            {rayinfer::blocked_linear_f32, nullptr, max_rows, 0});
   const int64_t K = weight.size(1);
   const bool few = x.numel() <= rows_limit(plain_rows(x.scalar_type()), max_rows) * K && x.numel() > 0;
   const bool ours = x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat;
@@ -217,7 +233,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed_weight, const at
 
 TORCH_LIBRARY_FRAGMENT(rayinfer, m) {
   m.def("linear(Tensor x, Tensor packed_weight, Tensor weight, Tensor? bias, str epilogue=\"none\", "
-        "Tensor? other=None, int max_rows=-1) -> Tensor");
+        "Tensor? other=None, int max_rows=-1, int brgemm_rows=0) -> Tensor");
 }
 
 // fp32 weights pack into an MKLDNN-layout tensor, which dispatches on its own key.
