@@ -24,7 +24,7 @@ from engine.core.tuner import Tuning, cheaper, race, threshold, tune
 from engine.model.attention import decode_attention_with_own
 from engine.model.decode_graph import DecodeGraph
 from engine.model.packed_linear import PackedLinear, can_pack, own_max_rows
-from tests.engine_helpers import mixed_prompts, write_peaked_gpt2_small
+from tests.engine_helpers import mixed_prompts
 from tests.test_decode_graph import assert_fast_scores_close
 
 # bf16 where oneDNN runs it; fp32 on an AVX2-only CPU (or one capped to it)
@@ -164,13 +164,8 @@ def test_the_tuner_picks_the_faster_attention_and_the_graph_is_traced_on_it(tiny
 
 
 @pytest.fixture(scope="module")
-def gpt2_small_dir(tmp_path_factory, gpt2_tokenizer) -> Path:
-    return write_peaked_gpt2_small(tmp_path_factory.mktemp("gpt2-small-peaked"), gpt2_tokenizer)
-
-
-@pytest.fixture(scope="module")
-def gpt2_small_reference(gpt2_small_dir) -> LLM:
-    return LLM(str(gpt2_small_dir), weights="pretrained", dtype=DTYPE, device="cpu", linears="reference",
+def gpt2_small_reference(peaked_gpt2_small_dir) -> LLM:
+    return LLM(str(peaked_gpt2_small_dir), weights="pretrained", dtype=DTYPE, device="cpu", linears="reference",
                compile_decode=False, num_kv_blocks=NUM_KV_BLOCKS)
 
 
@@ -178,8 +173,8 @@ def gpt2_small_reference(gpt2_small_dir) -> LLM:
 # ours for every step it takes (its own limit), and a crossover between.
 @pytest.mark.parametrize("option, max_rows", [("torch", None), ("auto", 0), ("auto", 2), ("auto", -1)])
 def test_every_linear_the_tuner_may_pick_matches_the_reference_at_gpt2_small_size(
-        gpt2_small_dir, gpt2_small_reference, option, max_rows):
-    fast = LLM(str(gpt2_small_dir), weights="pretrained", dtype=DTYPE, device="cpu", compile_decode=False,
+        peaked_gpt2_small_dir, gpt2_small_reference, option, max_rows):
+    fast = LLM(str(peaked_gpt2_small_dir), weights="pretrained", dtype=DTYPE, device="cpu", compile_decode=False,
                small_batch_linear=option, num_kv_blocks=NUM_KV_BLOCKS)
     for layer in packed_layers(fast):
         assert layer.few_rows == (option == "auto")
