@@ -1,6 +1,7 @@
 # Shared fixtures: a tiny but real GPT-2 checkpoint (2 layers, 64 wide, GPT-2's full
 # 50257-token vocabulary and its real tokenizer) written the way transformers writes one,
-# in safetensors and in pytorch_model.bin form, and the offline GPT-2 tokenizer. Tests use
+# in safetensors and in pytorch_model.bin form, a GPT-2-small one made peaked, and the
+# offline GPT-2 tokenizer. Tests use
 # them wherever a user would meet real weights and a real tokenizer, without a model hub.
 # And the clients of a served app: a module that serves one defines `base_url` (and
 # `http_headers` where its app wants an API key) and gets `http` and `oai` from here.
@@ -38,9 +39,11 @@ import openai
 import pytest
 import torch
 import transformers
+from filelock import FileLock
 from safetensors.torch import load_file
 
 from engine.model.loader import load_tokenizer
+from tests.engine_helpers import write_peaked_gpt2_small
 from tests.serve_helpers import release_shared_serve
 
 
@@ -70,6 +73,23 @@ def tiny_gpt2_bin_dir(tmp_path_factory: pytest.TempPathFactory, tiny_gpt2_dir: P
             shutil.copy(file, directory)
     # transformers 5.x always saves safetensors (save_pretrained ignores safe_serialization).
     torch.save(load_file(tiny_gpt2_dir / "model.safetensors"), directory / "pytorch_model.bin")
+    return directory
+
+
+@pytest.fixture(scope="session")
+def peaked_gpt2_small_dir(tmp_path_factory: pytest.TempPathFactory, worker_id: str, gpt2_tokenizer) -> Path:
+    """write_peaked_gpt2_small's checkpoint (500 MB, seconds to write), once a run: the
+    run's xdist workers share it (their base temps sit in one directory of the run's), the
+    first to ask writes it, and every test only reads it."""
+    root = tmp_path_factory.getbasetemp()
+    if worker_id != "master":
+        root = root.parent
+    directory = root / "gpt2-small-peaked"
+    with FileLock(root / "gpt2-small-peaked.lock"):
+        if not directory.exists():
+            scratch = Path(tempfile.mkdtemp(dir=root))  # renamed whole: no worker sees half a checkpoint
+            write_peaked_gpt2_small(scratch, gpt2_tokenizer)
+            scratch.rename(directory)
     return directory
 
 

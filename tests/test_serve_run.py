@@ -24,7 +24,7 @@ from ray.dashboard.consts import DASHBOARD_METRIC_PORT
 
 from deployments.replicas.ingress import ON_REPLICA_LOOP
 from engine.request.detokenizer import TokenVocab
-from tests.engine_helpers import hf_model, hf_scores, write_peaked_gpt2_small
+from tests.engine_helpers import hf_model, hf_scores
 from tests.http_helpers import engine_health
 from tests.serve_helpers import ROOT, ServeRun, free_port, proxy_process, replica_process, serve_run
 
@@ -60,17 +60,13 @@ def derived_config(tmp_path: Path, port: int, model_dir: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory, gpt2_tokenizer) -> Path:
-    return write_peaked_gpt2_small(tmp_path_factory.mktemp("gpt2-small-peaked"), gpt2_tokenizer)
-
-
-@pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[tuple[str, Path, ServeRun]]:
+def served(tmp_path_factory: pytest.TempPathFactory,
+           peaked_gpt2_small_dir: Path) -> Iterator[tuple[str, Path, ServeRun]]:
     """(URL, config, the run) of the shipped config, ready; stopped on the way out if a test didn't."""
     tmp_path = tmp_path_factory.mktemp("serve-run")
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    config = derived_config(tmp_path, port, model_dir)
+    config = derived_config(tmp_path, port, peaked_gpt2_small_dir)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "RAYINFER_API_KEYS": API_KEY}
     with serve_run(config, tmp_path / "serve_run.log", env) as run:
         run.wait_until_ready(f"{url}/health")
@@ -135,7 +131,7 @@ def test_the_keys_from_the_environment_guard_the_api_and_not_health(served) -> N
 
 
 def test_the_shipped_config_on_this_cpus_dtype_and_graph_serves_hf_s_tokens_at_gpt2_small_size(
-        served, model_dir: Path, gpt2_tokenizer) -> None:
+        served, peaked_gpt2_small_dir: Path, gpt2_tokenizer) -> None:
     """16 chat streams at once, sharing a prompt prefix, on the compiled decode graph; HF scores
     each stream's served tokens teacher-forced, in fp32 and in the served dtype: every served
     logprob is within ERROR_FACTOR x HF's own error + FLOOR of HF fp32's, and every served
@@ -152,7 +148,8 @@ def test_the_shipped_config_on_this_cpus_dtype_and_graph_serves_hf_s_tokens_at_g
         assert engine_health(http)["stats"]["num_prefix_hit_tokens"] - hits_before >= (NUM_STREAMS - 1) * 32
     assert [len(entries) for entries in streamed] == [MAX_TOKENS] * NUM_STREAMS
     token_id = {token: i for i, token in enumerate(TokenVocab.from_tokenizer(gpt2_tokenizer).token_bytes)}
-    fp32, served_dtype = hf_model(model_dir), hf_model(model_dir, getattr(torch, dtype))
+    fp32 = hf_model(peaked_gpt2_small_dir)
+    served_dtype = hf_model(peaked_gpt2_small_dir, getattr(torch, dtype))
     outside, not_top5 = [], []
     for stream, (prompt, entries) in enumerate(zip(prompts, streamed)):
         tokens = [token_id[bytes(e["bytes"])] for e in entries]

@@ -24,7 +24,7 @@ from engine.core.tuner import Tuning, cheaper, race, segments, threshold, tune
 from engine.model.attention import decode_attention_with_own
 from engine.model.decode_graph import DecodeGraph
 from engine.model.packed_linear import PackedLinear, can_pack, own_max_rows, runs_brgemm
-from tests.engine_helpers import mixed_prompts, write_peaked_gpt2_small
+from tests.engine_helpers import mixed_prompts
 from tests.test_decode_graph import assert_fast_scores_close
 
 # bf16 where oneDNN runs it; fp32 on an AVX2-only CPU (or one capped to it)
@@ -191,13 +191,8 @@ def test_the_tuner_picks_the_faster_attention_and_the_graph_is_traced_on_it(tiny
 
 
 @pytest.fixture(scope="module")
-def gpt2_small_dir(tmp_path_factory, gpt2_tokenizer) -> Path:
-    return write_peaked_gpt2_small(tmp_path_factory.mktemp("gpt2-small-peaked"), gpt2_tokenizer)
-
-
-@pytest.fixture(scope="module")
-def gpt2_small_reference(gpt2_small_dir) -> LLM:
-    return LLM(str(gpt2_small_dir), weights="pretrained", dtype=DTYPE, device="cpu", linears="reference",
+def gpt2_small_reference(peaked_gpt2_small_dir) -> LLM:
+    return LLM(str(peaked_gpt2_small_dir), weights="pretrained", dtype=DTYPE, device="cpu", linears="reference",
                compile_decode=False, num_kv_blocks=NUM_KV_BLOCKS)
 
 
@@ -207,8 +202,8 @@ def gpt2_small_reference(gpt2_small_dir) -> LLM:
 @pytest.mark.parametrize("option, max_rows, brgemm_rows", [
     ("torch", None, 0), ("auto", 0, 0), ("auto", 2, 0), ("auto", -1, 0), ("auto", 0, 64), ("auto", 2, 4)])
 def test_every_linear_the_tuner_may_pick_matches_the_reference_at_gpt2_small_size(
-        gpt2_small_dir, gpt2_small_reference, option, max_rows, brgemm_rows):
-    fast = LLM(str(gpt2_small_dir), weights="pretrained", dtype=DTYPE, device="cpu", compile_decode=False,
+        peaked_gpt2_small_dir, gpt2_small_reference, option, max_rows, brgemm_rows):
+    fast = LLM(str(peaked_gpt2_small_dir), weights="pretrained", dtype=DTYPE, device="cpu", compile_decode=False,
                small_batch_linear=option, num_kv_blocks=NUM_KV_BLOCKS)
     if brgemm_rows and not runs_brgemm(fast.engine.runner.model.lm_head):
         pytest.skip("oneDNN's brgemm ukernel does not run bf16 on our panels here (no AVX-512 BF16 / avx512_core)")
