@@ -24,6 +24,12 @@ cannot hold (not yet taken by the replica when it reported), each at what it ask
 replica: the prompt tokens that replica likely lacks (this router's CacheShadow) plus its
 decode. Where a replica's report is missing or stale, this router's own requests stand in,
 and the rest of Serve's count (other routers') at this request's weight.
+
+A request under a LoRA adapter (the call's `lora`) is keyed by its adapter, not its prefix:
+it goes first to a replica holding the adapter in an engine slot (as the replica last
+reported, `lora_resident`, or as this router sent it one since), then to one with a free
+slot, within the same bound; its prompt's blocks are salted by the adapter, so prefix
+affinity holds within an adapter (deployments/routing/prefix_routing.py, adapter).
 """
 
 from __future__ import annotations
@@ -38,8 +44,11 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 
 from deployments.routing.cache_shadow import DEFAULT_NUM_BLOCKS, CacheShadow
 from deployments.observability.metrics import RouterMetrics
-from deployments.routing.prefix_routing import Choice, block_hashes, choose, choose_by_work, request_work
+from deployments.routing.prefix_routing import (
+    FREE_SLOT, HOLDS, NO_SLOT, Choice, adapter_key, block_hashes, choose, choose_by_work, request_work,
+)
 from engine import SamplingParams
+from engine.request.lora_request import LoraRequest
 
 logger = logging.getLogger("ray.serve")
 
@@ -74,13 +83,16 @@ class _Placement:
 class _Prompt:
     """What the router reads from an ingress -> engine `generate` call."""
 
-    hashes: list[int]  # its full blocks' prefix-cache keys
+    hashes: list[int]  # its full blocks' prefix-cache keys (salted by its adapter's key)
     block_size: int
     num_tokens: int
     max_tokens: int
+    adapter: str | None = None  # the LoRA adapter it runs under
 
     def key(self, key_blocks: int) -> int | None:
-        """The hash of its first key_blocks blocks (prefix_routing.prefix_key)."""
+        """The adapter's key, else the hash of its first key_blocks blocks (prefix_routing.prefix_key)."""
+        if self.adapter is not None:
+            return adapter_key(self.adapter)
         return self.hashes[min(key_blocks, len(self.hashes)) - 1] if self.hashes else None
 
 
@@ -93,6 +105,7 @@ class PrefixAffinityRouter(RequestRouter):
         self._placements: dict[str, _Placement] = {}  # internal request id -> where it went
         self._ended: deque[_Placement] = deque()  # sent and ended lately, in the order they ended
         self._shadow = CacheShadow()
+        self._adapter_sends: dict[str, dict[str, float]] = {}  # replica id -> adapter -> when this router last chose it there
         self._metrics = RouterMetrics()
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
@@ -112,6 +125,8 @@ class PrefixAffinityRouter(RequestRouter):
             self._placements[request_id] = _Placement(choice.replica_id, choice, time.time(), work)
         if prompt is not None:
             self._shadow.record(choice.replica_id, prompt.hashes, _num_kv_blocks(by_id[choice.replica_id]))
+        if prompt is not None and prompt.adapter is not None:
+            self._adapter_sends.setdefault(choice.replica_id, {})[prompt.adapter] = time.time()
         chosen = by_id.pop(choice.replica_id)
         return [[chosen], list(by_id.values())] if by_id and self._is_full(chosen) else [[chosen]]
 
@@ -133,19 +148,32 @@ class PrefixAffinityRouter(RequestRouter):
         """Serve calls this when the replica set or a replica's routing stats change."""
         super().update_replicas(replicas)
         self._shadow.keep_only(r.replica_id.unique_id for r in replicas)
+        live = {r.replica_id.unique_id for r in replicas}
+        self._adapter_sends = {replica_id: sends for replica_id, sends in self._adapter_sends.items() if replica_id in live}
         self._metrics.record_replicas({r.replica_id.unique_id: r.routing_stats or {} for r in replicas})
 
     def _choose(self, prompt: _Prompt | None, replicas: list[RunningReplica]) -> tuple[Choice, float]:
         """The replica, and the work the request asks of it."""
         key = prompt.key(self._key_blocks) if prompt is not None else None
+        homes = None if prompt is None or prompt.adapter is None else self._homes(prompt.adapter, replicas)
         if self._load_unit == "requests":
             cached = None if prompt is None else {
                 r.replica_id.unique_id: self._shadow.num_cached_blocks(r.replica_id.unique_id, prompt.hashes)
                 for r in replicas}
-            return choose(key, self._request_loads(replicas), self._eps, cached), 1.0
+            return choose(key, self._request_loads(replicas), self._eps, cached, homes), 1.0
         loads, costs = self._work_loads(prompt, replicas)
-        choice = choose_by_work(key, loads, costs, self._eps)
+        choice = choose_by_work(key, loads, costs, self._eps, homes)
         return choice, costs[choice.replica_id]
+
+    def _homes(self, adapter: str, replicas: list[RunningReplica]) -> dict[str, int]:
+        """How each replica stands to the adapter (adapter_home)."""
+        now, homes = time.time(), {}
+        for replica in replicas:
+            sends = self._adapter_sends.setdefault(replica.replica_id.unique_id, {})
+            for name in [name for name, at in sends.items() if now - at >= _REPORT_MAX_AGE_S]:
+                del sends[name]  # a fresh report holds them by now
+            homes[replica.replica_id.unique_id] = adapter_home(adapter, replica.routing_stats or {}, sends, now)
+        return homes
 
     def _request_loads(self, replicas: list[RunningReplica]) -> dict[str, int]:
         """Each replica's open requests (request_load)."""
@@ -252,6 +280,21 @@ def request_load(report: dict, queue_len: int, live: list[float], ended: list[tu
     return len(live) + max(report["num_active"] - mine_then, 0)
 
 
+def adapter_home(adapter: str, report: dict, sent: dict[str, float], now: float) -> int:
+    """HOLDS where the replica holds the adapter in a slot: as its last report said
+    (lora_resident), or since this router sent it a request for it; else FREE_SLOT where
+    those adapters leave one of its max_loras slots free; else NO_SLOT. sent: the adapters
+    this router chose the replica for lately, and when. With the report stale or missing,
+    this router's sends alone (and no free slot it can know of)."""
+    reported_at = report.get("reported_at", 0.0)
+    if now - reported_at >= _REPORT_MAX_AGE_S or "lora_resident" not in report:
+        return HOLDS if adapter in sent else NO_SLOT
+    held = set(report["lora_resident"]) | {name for name, at in sent.items() if at > reported_at}
+    if adapter in held:
+        return HOLDS
+    return FREE_SLOT if len(held) < report["max_loras"] else NO_SLOT
+
+
 def _check_kwargs(load_bound_eps: float, key_blocks: int, load_unit: str, decode_token_cost: float) -> None:
     if not load_bound_eps >= 0:
         raise ValueError(f"load_bound_eps must be >= 0, got {load_bound_eps!r}")
@@ -271,10 +314,13 @@ def _prompt(pending_request: PendingRequest | None, block_size: int) -> _Prompt 
         return None
     token_ids = pending_request.kwargs.get("prompt_token_ids")
     params = pending_request.kwargs.get("params")
+    lora = pending_request.kwargs.get("lora")
     if not isinstance(token_ids, list):
         return None
     max_tokens = params.max_tokens if isinstance(params, SamplingParams) else 0
-    return _Prompt(block_hashes(token_ids, block_size), block_size, len(token_ids), max_tokens)
+    adapter = lora.name if isinstance(lora, LoraRequest) else None
+    salt = None if adapter is None else adapter_key(adapter)
+    return _Prompt(block_hashes(token_ids, block_size, salt=salt), block_size, len(token_ids), max_tokens, adapter)
 
 
 def _num_kv_blocks(replica: RunningReplica) -> int:
