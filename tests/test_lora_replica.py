@@ -72,6 +72,7 @@ def test_an_adapter_a_request_uses_is_never_forgotten_and_the_bound_holds_once_i
             async with replica.use(adapters["b"]):  # a is in use: kept, past the bound
                 during = replica.held()
             assert (await run(replica, engine_, adapters["c"], "1"))  # b idle: forgotten, a still kept
+            await replica.trimmed()  # c's end: c idle, a in use: c forgotten
             after_c = replica.held()
             tokens = [t async for chunk in engine_.generate("2", PROMPT, GREEDY, lora_name=a.name)
                       for t in chunk.token_ids]
@@ -82,7 +83,7 @@ def test_an_adapter_a_request_uses_is_never_forgotten_and_the_bound_holds_once_i
         during, after_c, tokens, last = asyncio.run(main())
     finally:
         engine_.shutdown()
-    assert during == ["a", "b"] and after_c == ["a", "c"] and len(tokens) == 4 and last == ["d"]
+    assert during == ["a", "b"] and after_c == ["a"] and len(tokens) == 4 and last == ["d"]
 
 
 def test_a_refused_adapter_is_an_invalid_request_and_leaves_nothing_in_use(tiny_gpt2_dir, adapters, tmp_path):
@@ -111,3 +112,21 @@ def test_max_cpu_loras_below_max_loras_is_refused():
     with pytest.raises(ValueError, match="max_cpu_loras must be an integer >= max_loras"):
         EngineConfig(max_loras=4, max_cpu_loras=2)
     assert EngineConfig(max_loras=4).num_cpu_loras == 4
+
+
+def test_concurrent_requests_over_more_adapters_than_the_bound_all_run(tiny_gpt2_dir, adapters):
+    """Reads, forgets and requests of held adapters interleave: none finds its adapter gone."""
+    engine_ = engine(tiny_gpt2_dir, max_loras=1, max_cpu_loras=1)
+    replica = ReplicaAdapters(engine_, 1)
+
+    async def main():
+        names = [name for _ in range(4) for name in "abcd"]
+        outputs = await asyncio.gather(*(run(replica, engine_, adapters[name], str(i)) for i, name in enumerate(names)))
+        await replica.trimmed()  # the last request's end forgets the idle ones past the bound
+        return outputs
+
+    try:
+        outputs = asyncio.run(main())
+    finally:
+        engine_.shutdown()
+    assert [len(tokens) for tokens in outputs] == [4] * 16 and len(replica.held()) == 1

@@ -9,7 +9,8 @@ Memory: a replica keeps at most `max_cpu_loras` adapters read (EngineConfig.num_
 Reading one past it forgets the least recently requested one that no request of this replica
 uses, from its arrival to its end (`use`), so an adapter is never forgotten between the read
 and the engine admitting its request, nor while it runs or waits. Where every adapter held
-is in use, the replica holds more until its next read: the bound is the adapters idle.
+is in use, the replica holds more until requests end: the end of a use past the bound
+forgets the idle ones down to it (a task of its own: a request's end never waits on it).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Literal
 
 from engine.request.invalid_request import InvalidRequestError
+from engine.request.outputs import EngineDeadError
 from engine.request.lora_request import LoraRequest
 
 if TYPE_CHECKING:
@@ -41,6 +43,7 @@ class ReplicaAdapters:
         self._paths: OrderedDict[str, str] = OrderedDict()  # name -> its directory, least recently requested first
         self._uses: Counter[str] = Counter()  # this replica's requests of each adapter, from arrival to end
         self._read_lock = asyncio.Lock()  # one read or forget at a time: the bound counts every read
+        self._trim: asyncio.Task | None = None  # forgetting down to the bound after a use ended past it
         self.num_forgotten = 0
 
     @contextlib.asynccontextmanager
@@ -57,6 +60,8 @@ class ReplicaAdapters:
             self._uses[lora.name] -= 1
             if not self._uses[lora.name]:
                 del self._uses[lora.name]
+            if len(self._paths) > self._max_adapters and self._trim is None:
+                self._trim = asyncio.get_running_loop().create_task(self._trim_to_bound())
 
     async def _ensure(self, lora: LoraRequest) -> LoraInfo:
         """Raises InvalidRequestError, naming the model field, for an adapter the engine
@@ -73,6 +78,20 @@ class ReplicaAdapters:
             self._on_arrival(lora.name, "none" if not was_read else "resident" if info.is_resident else "read")
         return info
 
+    async def trimmed(self) -> None:
+        """Once a forgetting started by a use's end is done (tests wait on it)."""
+        if self._trim is not None:
+            await asyncio.shield(self._trim)
+
+    async def _trim_to_bound(self) -> None:
+        try:
+            async with self._read_lock:
+                await self._forget_past_bound()
+        except EngineDeadError:  # the replica is going: nothing left to bound
+            pass
+        finally:
+            self._trim = None
+
     def held(self) -> list[str]:
         """The adapters read, least recently requested first."""
         return list(self._paths)
@@ -88,12 +107,20 @@ class ReplicaAdapters:
         self._paths[lora.name] = lora.path
 
     async def _forget_past_bound(self) -> None:
-        """Forget the least recently requested adapters no request uses, down to the bound."""
-        idle = [name for name in list(self._paths)[:-1] if not self._uses[name]]  # the last: just read
-        for name in idle[:max(len(self._paths) - self._max_adapters, 0)]:
+        """Forget the least recently requested adapters no request uses, down to the bound.
+        Each leaves _paths before the engine forgets it, with no await between the check
+        that it is idle and that: a request arriving meanwhile reads it again (behind
+        _read_lock) rather than finding it held and then missing."""
+        for name in list(self._paths):  # the one just read is in use: kept
+            if len(self._paths) <= self._max_adapters:
+                return
+            if self._uses[name]:
+                continue
+            path = self._paths.pop(name)
             try:
                 await self._engine.remove_lora(name)
             except ValueError:  # an aborted request the step loop has not yet dropped: kept, for now
+                self._paths[name] = path
+                self._paths.move_to_end(name, last=False)
                 continue
-            del self._paths[name]
             self.num_forgotten += 1
