@@ -48,6 +48,7 @@ from engine.request.scheduling import Scheduling
 from loadtest.client.machine import machine_line, utc_now
 
 APP = "lora-route"
+MULTIPLEX_MODELS = 8  # Serve's multiplexed LRU per replica, fixed where the class is defined: --max-loras must match
 
 
 class _Registered:
@@ -67,7 +68,7 @@ class MultiplexedEngine(LoggedEngine):
         async for chunk in super().generate(request_id, prompt_token_ids, params, scheduling, lora):
             yield chunk
 
-    @serve.multiplexed(max_num_models_per_replica=8)
+    @serve.multiplexed(max_num_models_per_replica=MULTIPLEX_MODELS)
     async def _register(self, model_id: str) -> _Registered:
         return _Registered(model_id)
 
@@ -137,6 +138,8 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    if args.design == "multiplex" and args.max_loras != MULTIPLEX_MODELS:
+        raise SystemExit(f"--design multiplex registers {MULTIPLEX_MODELS} adapters a replica: --max-loras {MULTIPLEX_MODELS}")
     metrics_port = 18080 + random.randrange(1000)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _metrics_export_port=metrics_port,
              _system_config={"metrics_report_interval_ms": 500})
