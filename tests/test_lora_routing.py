@@ -7,10 +7,15 @@ from __future__ import annotations
 import random
 from collections import Counter, OrderedDict
 
+from ray.serve._private.common import RequestMetadata  # how Serve hands a router a call (alpha API)
+from ray.serve.request_router import PendingRequest
+
 from deployments.routing.prefix_routing import (
     FREE_SLOT, HOLDS, NO_SLOT, adapter_key, block_hashes, choose, choose_by_work, load_bound, rendezvous_order,
 )
-from deployments.routing.router import adapter_home
+from deployments.routing.router import adapter_home, read_prompt
+from engine import SamplingParams
+from engine.request.lora_request import LoraRequest
 
 BLOCK = 16
 REPLICAS = ["replica-0", "replica-1"]
@@ -124,3 +129,14 @@ def test_sixteen_adapters_over_two_replicas_of_eight_slots_land_resident_nine_ti
         arrivals[replicas[choice.replica_id].arrive(adapter)] += 1
         open_requests = (open_requests + [choice.replica_id])[-32:]
     assert arrivals[True] / sum(arrivals.values()) >= 0.9
+
+
+def test_the_router_reads_a_generate_calls_adapter_and_salts_its_blocks_with_it():
+    def call(lora: LoraRequest | None) -> PendingRequest:
+        kwargs = {"prompt_token_ids": list(range(5 * BLOCK)), "params": SamplingParams(max_tokens=8), "lora": lora}
+        return PendingRequest([], kwargs, RequestMetadata("r", "r", call_method="generate"))
+
+    base, sql = read_prompt(call(None), BLOCK), read_prompt(call(LoraRequest("sql", "/adapters/sql")), BLOCK)
+    assert (base.adapter, sql.adapter) == (None, "sql")
+    assert sql.key(4) == adapter_key("sql") and base.key(4) == base.hashes[3]
+    assert sql.hashes == block_hashes(list(range(5 * BLOCK)), BLOCK, salt=adapter_key("sql")) != base.hashes

@@ -118,7 +118,7 @@ class PrefixAffinityRouter(RequestRouter):
         if not candidate_replicas:
             return []
         by_id = {replica.replica_id.unique_id: replica for replica in candidate_replicas}
-        prompt = _prompt(pending_request, _block_size(candidate_replicas))
+        prompt = read_prompt(pending_request, _block_size(candidate_replicas))
         choice, work = self._choose(prompt, candidate_replicas)
         if pending_request is not None:
             request_id = pending_request.metadata.internal_request_id
@@ -306,7 +306,7 @@ def _check_kwargs(load_bound_eps: float, key_blocks: int, load_unit: str, decode
         raise ValueError(f"decode_token_cost must be >= 0, got {decode_token_cost!r}")
 
 
-def _prompt(pending_request: PendingRequest | None, block_size: int) -> _Prompt | None:
+def read_prompt(pending_request: PendingRequest | None, block_size: int) -> _Prompt | None:
     """The prompt of an ingress -> engine `generate` call, read by its arguments' names (the
     Ingress passes them by keyword: deployments/api/engine_client.py); a call without them
     is routed by load alone."""
