@@ -92,17 +92,23 @@ def main() -> None:
         prompts = make_prompts(args.num_requests, args.prompt_len, engine.model_info.vocab_size)
         names = [list(served)[i % len(served)] for i in range(len(prompts))]
         base, lora = engine_runs(engine, prompts, names, args.max_tokens, args.repeats)
-        report([lora, base])
-        print(f"LoRA vs base tok/s: {lora.tokens_per_s / base.tokens_per_s:.2f}x")
-        if not args.skip_hf:
-            for dtype in args.hf_dtypes.split(","):
-                peer = hf_peft_run(config, served, prompts, names, args.max_tokens, dtype)
-                report([peer])
-                print(f"rayinfer LoRA vs {peer.name}: {lora.tokens_per_s / peer.tokens_per_s:.2f}x")
+        peers = [] if args.skip_hf else [hf_peft_run(config, served, prompts, names, args.max_tokens, dtype)
+                                         for dtype in args.hf_dtypes.split(",")]
         loads = [load_to_first_token_s(engine, name, path, prompts[0])
                  for name, path in list(adapters.items())[args.num_adapters:]]
-        print(f"load to first token (LLMEngine.add_lora, every slot taken): "
-              f"{', '.join(f'{s * 1000:.0f}' for s in loads)} ms; median {statistics.median(loads) * 1000:.0f} ms")
+    report([lora, base, *peers])
+    table(lora, base, peers, loads)
+
+
+def table(lora: Result, base: Result, peers: list[Result], loads: list[float]) -> None:
+    print("| row | rayinfer | peer, same run | ratio |\n|---|---|---|---|")
+    print(f"| {lora.name} vs the base model, same prompts | {lora.tokens_per_s:.1f} tok/s | base {base.tokens_per_s:.1f} "
+          f"| {lora.tokens_per_s / base.tokens_per_s:.2f}× |")
+    for peer in peers:
+        print(f"| vs {peer.name} | {lora.tokens_per_s:.1f} tok/s | {peer.tokens_per_s:.1f} "
+              f"| {lora.tokens_per_s / peer.tokens_per_s:.2f}× |")
+    print(f"| load to first token (LLMEngine.add_lora, every slot taken) | median {statistics.median(loads) * 1000:.0f} ms "
+          f"({', '.join(f'{s * 1000:.0f}' for s in loads)}) | | |")
 
 
 def engine_runs(engine: LLMEngine, prompts: list[list[int]], names: list[str], max_tokens: int,

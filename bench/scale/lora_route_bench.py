@@ -169,6 +169,10 @@ def run(args: argparse.Namespace, tmp: Path, metrics_url: str) -> None:
           f"read, not in a slot: {int(counts['read'])}; read from disk: {int(counts['none'])})")
     print(f"load bound: {loads.num_over_bound_lasting} of {loads.num_arrivals} arrivals past (1 + {args.eps}) x the "
           f"mean and lasting ({loads.num_over_bound} at arrival); busiest / mean {loads.busiest_over_mean:.2f}")
+    print("| design | resident on arrival | read from disk | past the bound, lasting | busiest / mean | seconds |\n"
+          "|---|---|---|---|---|---|")
+    print(f"| {args.design} | {counts['resident'] / total:.1%} | {int(counts['none'])} | "
+          f"{loads.num_over_bound_lasting} of {loads.num_arrivals} | {loads.busiest_over_mean:.2f} | {seconds:.1f} |")
 
 
 if __name__ == "__main__":
