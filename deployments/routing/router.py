@@ -71,6 +71,7 @@ class _Placement:
     choice: Choice
     chosen_at: float  # time.time(): compared with the replicas' reports
     work: float  # what it asks of the chosen replica (load_unit work)
+    adapter: str | None = None  # its LoRA adapter
     routed_at: float | None = None  # time.time() when Serve told this router the replica took it
     ended_at: float | None = None  # time.time() when Serve told this router it ended
 
@@ -105,7 +106,6 @@ class PrefixAffinityRouter(RequestRouter):
         self._placements: dict[str, _Placement] = {}  # internal request id -> where it went
         self._ended: deque[_Placement] = deque()  # sent and ended lately, in the order they ended
         self._shadow = CacheShadow()
-        self._adapter_sends: dict[str, dict[str, float]] = {}  # replica id -> adapter -> when this router last chose it there
         self._metrics = RouterMetrics()
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
@@ -122,11 +122,10 @@ class PrefixAffinityRouter(RequestRouter):
         choice, work = self._choose(prompt, candidate_replicas)
         if pending_request is not None:
             request_id = pending_request.metadata.internal_request_id
-            self._placements[request_id] = _Placement(choice.replica_id, choice, time.time(), work)
+            self._placements[request_id] = _Placement(choice.replica_id, choice, time.time(), work,
+                                                      None if prompt is None else prompt.adapter)
         if prompt is not None:
             self._shadow.record(choice.replica_id, prompt.hashes, _num_kv_blocks(by_id[choice.replica_id]))
-        if prompt is not None and prompt.adapter is not None:
-            self._adapter_sends.setdefault(choice.replica_id, {})[prompt.adapter] = time.time()
         chosen = by_id.pop(choice.replica_id)
         return [[chosen], list(by_id.values())] if by_id and self._is_full(chosen) else [[chosen]]
 
@@ -148,8 +147,6 @@ class PrefixAffinityRouter(RequestRouter):
         """Serve calls this when the replica set or a replica's routing stats change."""
         super().update_replicas(replicas)
         self._shadow.keep_only(r.replica_id.unique_id for r in replicas)
-        live = {r.replica_id.unique_id for r in replicas}
-        self._adapter_sends = {replica_id: sends for replica_id, sends in self._adapter_sends.items() if replica_id in live}
         self._metrics.record_replicas({r.replica_id.unique_id: r.routing_stats or {} for r in replicas})
 
     def _choose(self, prompt: _Prompt | None, replicas: list[RunningReplica]) -> tuple[Choice, float]:
@@ -166,14 +163,19 @@ class PrefixAffinityRouter(RequestRouter):
         return choice, costs[choice.replica_id]
 
     def _homes(self, adapter: str, replicas: list[RunningReplica]) -> dict[str, int]:
-        """How each replica stands to the adapter (adapter_home)."""
-        now, homes = time.time(), {}
-        for replica in replicas:
-            sends = self._adapter_sends.setdefault(replica.replica_id.unique_id, {})
-            for name in [name for name, at in sends.items() if now - at >= _REPORT_MAX_AGE_S]:
-                del sends[name]  # a fresh report holds them by now
-            homes[replica.replica_id.unique_id] = adapter_home(adapter, replica.routing_stats or {}, sends, now)
-        return homes
+        """How each replica stands to the adapter (adapter_home). This router's sends: its
+        open requests, where Serve sent them (else where last chosen: Serve asks again for
+        a request whose replica did not answer in time, and only the last choice counts),
+        as of now; those ended lately, as of their choice."""
+        now, sends = time.time(), {}
+        for placement in self._recently_ended():
+            if placement.adapter is not None:
+                sends.setdefault(placement.replica_id, {})[placement.adapter] = placement.chosen_at
+        for placement in self._live_placements():
+            if placement.adapter is not None:
+                sends.setdefault(placement.replica_id, {})[placement.adapter] = now
+        return {r.replica_id.unique_id: adapter_home(adapter, r.routing_stats or {}, sends.get(r.replica_id.unique_id, {}),
+                                                     now) for r in replicas}
 
     def _request_loads(self, replicas: list[RunningReplica]) -> dict[str, int]:
         """Each replica's open requests (request_load)."""
