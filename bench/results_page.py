@@ -57,6 +57,11 @@ def rows(checkpoint: str, tiny_checkpoint: str, venvs: str) -> list[Row]:
                                 "--engine", "num_kv_blocks=288"]),
         Row("scale", "hot", [*scale, "--workload", "hot", "--concurrency", "16", "--num-requests", "192"]),
         Row("scale", "free", [*scale, "--workload", "free", "--concurrency", "16", "--num-requests", "128"]),
+        Row("lora", "offline-vs-base-and-peft", [PY, "-m", "bench.lora_bench", "--hf-dtypes", "float32,bfloat16"]),
+        Row("lora", "route-prefix-router", [PY, "-m", "bench.scale.lora_route_bench", "--design", "prefix-router",
+                                            "--model", checkpoint]),
+        Row("lora", "route-multiplex", [PY, "-m", "bench.scale.lora_route_bench", "--design", "multiplex",
+                                        "--model", checkpoint]),
         Row("startup", "cold-vs-vllm", [PY, "-m", "bench.peers.startup_time", "--config", "configs/gpt2.yaml",
                                         "--cold", "--runs", "2", "--vllm-checkpoint", checkpoint], needs="vllm"),
         Row("startup", "warm-vs-vllm", [PY, "-m", "bench.peers.startup_time", "--config", "configs/gpt2.yaml",
@@ -106,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="the real clients' checkpoint (python -m loadtest.make_checkpoint DIR --arch tiny)")
     parser.add_argument("--venvs", default="/work/.venvs", help="where the real clients' venvs are")
     parser.add_argument("--out", type=Path, default=Path("bench_out/page"))
-    parser.add_argument("--areas", default="engine,http,scale,startup,clients")
+    parser.add_argument("--areas", default="engine,http,scale,lora,startup,clients")
     parser.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     args = parser.parse_args(argv)
     chosen = [row for row in rows(args.checkpoint, args.tiny_checkpoint, args.venvs) if row.area in args.areas.split(",")]

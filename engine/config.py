@@ -142,6 +142,12 @@ class EngineConfig:
     # (engine/lora/). 0: LoRA off, the model exactly as without it.
     max_loras: int = 0
     max_lora_rank: int = 16
+    # Adapters an engine replica keeps read in memory (vLLM's name; None: max_loras): past it
+    # the replica forgets the least recently used one no request uses, and reads it again
+    # from its path when a request next names it (deployments/replicas/engine_adapters.py).
+    # The offline engine keeps what add_lora read until remove_lora: its adapters have no
+    # path a request carries to read them again.
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         check_weights_mode(self.weights)
@@ -192,6 +198,14 @@ class EngineConfig:
         _require_positive("max_lora_rank", self.max_lora_rank)
         if not (isinstance(self.max_loras, int) and not isinstance(self.max_loras, bool) and self.max_loras >= 0):
             raise ValueError(f"max_loras must be an integer >= 0, got {self.max_loras!r}")
+        if self.max_cpu_loras is not None and not (isinstance(self.max_cpu_loras, int)
+                                                   and self.max_cpu_loras >= max(self.max_loras, 1)):
+            raise ValueError(f"max_cpu_loras must be an integer >= max_loras, got {self.max_cpu_loras!r}")
+
+    @property
+    def num_cpu_loras(self) -> int:
+        """max_cpu_loras resolved: the most adapters an engine replica keeps read."""
+        return self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
 
     @property
     def allowed_priorities(self) -> tuple[int, int]:

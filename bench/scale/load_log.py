@@ -26,6 +26,7 @@ from deployments.replicas.engine_deployment import EngineDeployment
 from deployments.routing.cache_shadow import CacheShadow
 from deployments.routing.prefix_routing import block_hashes
 from engine import GenerationChunk, SamplingParams
+from engine.request.lora_request import LoraRequest
 from engine.request.scheduling import Scheduling
 
 LOAD_LOG_DIR_ENV = "RAYINFER_LOAD_LOG_DIR"
@@ -101,12 +102,13 @@ class LoggedEngine(EngineDeployment.func_or_class):
                                  stats.num_kv_blocks_total) if directory else None
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       scheduling: Scheduling = Scheduling()) -> AsyncIterator[GenerationChunk]:
+                       scheduling: Scheduling = Scheduling(),
+                       lora: LoraRequest | None = None) -> AsyncIterator[GenerationChunk]:
         self._num_requests += 1
         if self._load_log is not None:
             self._load_log.arrived(request_id, prompt_token_ids, params.max_tokens)
         try:
-            async for chunk in super().generate(request_id, prompt_token_ids, params, scheduling):
+            async for chunk in super().generate(request_id, prompt_token_ids, params, scheduling, lora):
                 yield chunk
         finally:
             if self._load_log is not None:

@@ -12,12 +12,16 @@ from __future__ import annotations
 import functools
 import threading
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from ray.serve import metrics as serve_metrics
 from ray.serve.metrics import Counter, Gauge, Histogram
 
 from engine.request.outputs import EngineStats
 from engine.core.step_log import StepRecord
+
+if TYPE_CHECKING:  # the Ingress imports this file and no torch: only the engine replica holds LoraStats
+    from engine.lora.registry import LoraStats
 
 _LATENCY_BUCKETS_S = [0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30, 60]
 _TPOT_BUCKETS_S = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28]
@@ -175,14 +179,64 @@ class RouterMetrics:
                 self.active.set(stats["num_active"], tags={"engine_replica": replica_id})
 
 
+class LoraMetrics:
+    """LoRA adapters on an engine replica (where max_loras > 0): requests and tokens by
+    adapter, the adapters it holds, slot loads, their time and evictions (the engine's
+    LoraStats, sampled), and each request's adapter where it found it (record_arrival): the
+    router's aim is that it is resident."""
+
+    def __init__(self) -> None:
+        adapter = ("adapter",)
+        self.requests = Counter("rayinfer_lora_requests", "Requests by LoRA adapter and where the replica held "
+                                "the adapter when the request arrived (resident: in an engine slot; read: in "
+                                "memory, a slot write to come; none: read from disk first).",
+                                tag_keys=("adapter", "holding"))
+        self.prompt_tokens = Counter("rayinfer_lora_prompt_tokens", "Prompt tokens by LoRA adapter.", tag_keys=adapter)
+        self.generation_tokens = Counter("rayinfer_lora_generation_tokens", "Generated tokens by LoRA adapter.",
+                                         tag_keys=adapter)
+        self.resident = Gauge("rayinfer_lora_adapters_resident", "LoRA adapters in the engine's slots (max_loras).")
+        self.loaded = Gauge("rayinfer_lora_adapters_loaded",
+                            "LoRA adapters read into the replica's memory (max_cpu_loras, but those in use).")
+        self.slot_loads = Counter("rayinfer_lora_slot_loads", "LoRA adapters written into an engine slot.")
+        self.load_time = Counter("rayinfer_lora_load_seconds",
+                                 "Time reading LoRA adapters from disk and writing them into slots, in total.")
+        self.evictions = Counter("rayinfer_lora_evictions", "LoRA adapters evicted from a slot for another.")
+        self._totals: dict[tuple[str, ...], float] = {}  # as last counted, by counter (and adapter)
+
+    def record_arrival(self, adapter: str, holding: str) -> None:
+        self.requests.inc(1, tags={"adapter": adapter, "holding": holding})
+
+    def update(self, stats: LoraStats) -> None:
+        self.resident.set(stats.num_resident)
+        self.loaded.set(stats.num_adapters)
+        for name, counter, now in (("loads", self.slot_loads, stats.num_loads), ("load_s", self.load_time, stats.load_s),
+                                   ("evictions", self.evictions, stats.num_evictions)):
+            self._count((name,), counter, now, None)
+        for name, counter, by_adapter in (("prompt", self.prompt_tokens, stats.prompt_tokens),
+                                          ("generated", self.generation_tokens, stats.generated_tokens)):
+            for adapter, now in by_adapter.items():
+                self._count((name, adapter), counter, now, {"adapter": adapter})
+
+    def _count(self, key: tuple[str, ...], counter: Counter, now: float, tags: dict[str, str] | None) -> None:
+        """The total's growth since the last sample (the engine's counters only grow)."""
+        before = self._totals.get(key, 0)
+        if now > before:
+            counter.inc(now - before, tags=tags)
+            self._totals[key] = now
+
+
 class EngineMetricsReporter:
     """Samples the engine's stats into EngineMetrics once a second, from its own thread, and
-    records the steps taken since (off the step loop's thread: a step only appends a record)."""
+    records the steps taken since (off the step loop's thread: a step only appends a record);
+    with LoRA on, the adapters' counters into LoraMetrics too."""
 
-    def __init__(self, stats: Callable[[], EngineStats], steps: Callable[[], list[StepRecord]]) -> None:
+    def __init__(self, stats: Callable[[], EngineStats], steps: Callable[[], list[StepRecord]],
+                 lora_stats: Callable[[], LoraStats | None] | None = None,
+                 lora_metrics: LoraMetrics | None = None) -> None:
         self._stats = stats
         self._steps = steps
         self._metrics = EngineMetrics()
+        self._lora_stats, self._lora_metrics = lora_stats, lora_metrics
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rayinfer-metrics", daemon=True)
         self._thread.start()
@@ -191,6 +245,8 @@ class EngineMetricsReporter:
         while not self._stop.wait(_ENGINE_METRICS_PERIOD_S):
             self._metrics.update(self._stats())
             self._metrics.record_steps(self._steps())
+            if self._lora_stats is not None and (lora := self._lora_stats()) is not None:
+                self._lora_metrics.update(lora)
 
     def stop(self) -> None:
         self._stop.set()

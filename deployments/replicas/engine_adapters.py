@@ -4,35 +4,97 @@
 The Ingress owns which names exist (deployments/api/lora_catalog.py); a replica only
 follows, so adding an engine replica needs no broadcast: the new one reads an adapter when a
 request for it first lands there.
+
+Memory: a replica keeps at most `max_cpu_loras` adapters read (EngineConfig.num_cpu_loras).
+Reading one past it forgets the least recently requested one that no request of this replica
+uses, from its arrival to its end (`use`), so an adapter is never forgotten between the read
+and the engine admitting its request, nor while it runs or waits. Where every adapter held
+is in use, the replica holds more until requests end: the end of a use past the bound
+forgets the idle ones down to it (a task of its own: a request's end never waits on it).
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
+import contextlib
+from collections import Counter, OrderedDict
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Literal
 
 from engine.request.invalid_request import InvalidRequestError
+from engine.request.outputs import EngineDeadError
 from engine.request.lora_request import LoraRequest
 
 if TYPE_CHECKING:
     from engine import AsyncEngine
     from engine.lora.registry import LoraInfo
 
+# Where a request's adapter was when the request reached the replica: in an engine slot,
+# read but not in a slot (a slot write to come), or not read at all (a read from disk).
+Holding = Literal["resident", "read", "none"]
+
 
 class ReplicaAdapters:
-    def __init__(self, engine: AsyncEngine) -> None:
+    def __init__(self, engine: AsyncEngine, max_adapters: int,
+                 on_arrival: Callable[[str, Holding], None] | None = None) -> None:
         self._engine = engine
-        self._paths: dict[str, str] = {}  # name -> the directory it was read from
-        self._locks: dict[str, asyncio.Lock] = {}  # one read per name, however many requests wait on it
+        self._max_adapters = max_adapters
+        self._on_arrival = on_arrival
+        self._paths: OrderedDict[str, str] = OrderedDict()  # name -> its directory, least recently requested first
+        self._uses: Counter[str] = Counter()  # this replica's requests of each adapter, from arrival to end
+        self._read_lock = asyncio.Lock()  # one read or forget at a time: the bound counts every read
+        self._trim: asyncio.Task | None = None  # forgetting down to the bound after a use ended past it
+        self.num_forgotten = 0
 
-    async def ensure(self, lora: LoraRequest) -> LoraInfo:
-        """The adapter, read first where this replica does not hold it; an adapter the engine
-        refuses (DoRA, a rank past max_lora_rank, another model's shapes) is an
-        InvalidRequestError naming the model field."""
-        async with self._locks.setdefault(lora.name, asyncio.Lock()):
-            if self._paths.get(lora.name) != lora.path:
-                await self._read(lora)
-        return next(info for info in await self._engine.list_loras() if info.name == lora.name)
+    @contextlib.asynccontextmanager
+    async def use(self, lora: LoraRequest | None) -> AsyncIterator[LoraInfo | None]:
+        """The adapter (None: the base model), read first where this replica does not hold
+        it, and never forgotten until the block ends, however it ends."""
+        if lora is None:
+            yield None
+            return
+        self._uses[lora.name] += 1
+        try:
+            yield await self._ensure(lora)
+        finally:
+            self._uses[lora.name] -= 1
+            if not self._uses[lora.name]:
+                del self._uses[lora.name]
+            if len(self._paths) > self._max_adapters and self._trim is None:
+                self._trim = asyncio.get_running_loop().create_task(self._trim_to_bound())
+
+    async def _ensure(self, lora: LoraRequest) -> LoraInfo:
+        """Raises InvalidRequestError, naming the model field, for an adapter the engine
+        refuses (DoRA, a rank past max_lora_rank, another model's shapes)."""
+        was_read = self._paths.get(lora.name) == lora.path
+        if not was_read:
+            async with self._read_lock:
+                if self._paths.get(lora.name) != lora.path:  # else another request read it meanwhile
+                    await self._read(lora)
+                    await self._forget_past_bound()
+        self._paths.move_to_end(lora.name)
+        info = next(info for info in await self._engine.list_loras() if info.name == lora.name)
+        if self._on_arrival is not None:
+            self._on_arrival(lora.name, "none" if not was_read else "resident" if info.is_resident else "read")
+        return info
+
+    async def trimmed(self) -> None:
+        """Once a forgetting started by a use's end is done (tests wait on it)."""
+        if self._trim is not None:
+            await asyncio.shield(self._trim)
+
+    async def _trim_to_bound(self) -> None:
+        try:
+            async with self._read_lock:
+                await self._forget_past_bound()
+        except EngineDeadError:  # the replica is going: nothing left to bound
+            pass
+        finally:
+            self._trim = None
+
+    def held(self) -> list[str]:
+        """The adapters read, least recently requested first."""
+        return list(self._paths)
 
     async def _read(self, lora: LoraRequest) -> None:
         try:
@@ -43,3 +105,22 @@ class ReplicaAdapters:
         except ValueError as error:  # LoraAdapterError, LoRA off, or the old adapter still in use
             raise InvalidRequestError(f"LoRA adapter {lora.name!r}: {error}", param="model") from None
         self._paths[lora.name] = lora.path
+
+    async def _forget_past_bound(self) -> None:
+        """Forget the least recently requested adapters no request uses, down to the bound.
+        Each leaves _paths before the engine forgets it, with no await between the check
+        that it is idle and that: a request arriving meanwhile reads it again (behind
+        _read_lock) rather than finding it held and then missing."""
+        for name in list(self._paths):  # the one just read is in use: kept
+            if len(self._paths) <= self._max_adapters:
+                return
+            if self._uses[name]:
+                continue
+            path = self._paths.pop(name)
+            try:
+                await self._engine.remove_lora(name)
+            except ValueError:  # an aborted request the step loop has not yet dropped: kept, for now
+                self._paths[name] = path
+                self._paths.move_to_end(name, last=False)
+                continue
+            self.num_forgotten += 1

@@ -8,6 +8,7 @@ its KV blocks are free by the end of the next step.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import logging
@@ -23,17 +24,20 @@ from deployments.api.engine_client import EngineStatus
 from deployments.routing.engine_load import EngineLoad
 from deployments.replicas.engine_adapters import ReplicaAdapters
 from deployments.observability.logs import quiet_answered_refusals, route_logs_to_serve
-from deployments.observability.metrics import EngineMetricsReporter
+from deployments.observability.metrics import EngineMetricsReporter, LoraMetrics
 from engine import EngineConfig, GenerationChunk, ModelInfo, SamplingParams
+from engine.request.outputs import EngineDeadError
 from engine.model.progress import progress
 from engine.request.lora_request import LoraRequest
 from engine.request.scheduling import Scheduling
 
 if TYPE_CHECKING:
     from engine import AsyncEngine
+    from engine.lora.registry import LoraStats
 
 
 logger = logging.getLogger("ray.serve")  # the replica's log file
+_LORA_SAMPLE_TIMEOUT_S = 5.0  # a step of a long prefill, with room
 
 
 @serve.deployment(
@@ -56,8 +60,11 @@ class EngineDeployment:
         with progress("importing torch and the engine"):
             from engine import AsyncEngine
         self._engine: AsyncEngine = AsyncEngine(config, max_chunks_per_s=chunks_per_s)
-        self._metrics = EngineMetricsReporter(self._engine.stats, self._engine.drain_steps)
-        self._adapters = ReplicaAdapters(self._engine)
+        lora_metrics = LoraMetrics() if config.max_loras else None
+        self._metrics = EngineMetricsReporter(self._engine.stats, self._engine.drain_steps,
+                                              None if lora_metrics is None else self._sample_lora, lora_metrics)
+        self._adapters = ReplicaAdapters(self._engine, config.num_cpu_loras,
+                                         None if lora_metrics is None else lora_metrics.record_arrival)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        scheduling: Scheduling = Scheduling(),
@@ -67,17 +74,19 @@ class EngineDeployment:
         Raises InvalidRequestError before the first chunk for a request that can never run
         (an adapter this replica cannot read among them).
         """
-        lora_name = None if lora is None else (await self._adapters.ensure(lora)).name
-        chunks = self._engine.generate(request_id, prompt_token_ids, params, scheduling, lora_name)
-        async with contextlib.aclosing(chunks):
-            async for chunk in chunks:
-                yield chunk
+        async with self._adapters.use(lora) as adapter:  # held from here to the request's end
+            chunks = self._engine.generate(request_id, prompt_token_ids, params, scheduling,
+                                           None if adapter is None else adapter.name)
+            async with contextlib.aclosing(chunks):
+                async for chunk in chunks:
+                    yield chunk
 
     async def load_lora(self, lora: LoraRequest) -> dict:
         """Read the adapter now (the runtime load route): its errors reach the caller before
         the Ingress lists it. Other replicas read it on their first request for it. A dict
         (LoraInfo's fields): the Ingress unpickling it imports no engine code."""
-        return dataclasses.asdict(await self._adapters.ensure(lora))
+        async with self._adapters.use(lora) as adapter:
+            return dataclasses.asdict(adapter)
 
     def model_info(self) -> ModelInfo:
         return self._engine.model_info
@@ -88,8 +97,22 @@ class EngineDeployment:
 
     async def record_routing_stats(self) -> dict:
         """For the router (deployments/routing/router.py), polled by Serve; async so it reads the
-        engine's streams on the loop that changes them."""
-        return EngineLoad.of(self._engine).routing_stats()
+        engine's streams on the loop that changes them. With LoRA on, the adapters in the
+        engine's slots too (a step loop round trip): the router sends an adapter's requests
+        where it is resident."""
+        load = EngineLoad.of(self._engine)
+        if not self._engine.config.max_loras:
+            return load.routing_stats()
+        resident = [info.name for info in await self._engine.list_loras() if info.is_resident]
+        return load.routing_stats() | {"lora_resident": resident, "max_loras": self._engine.config.max_loras}
+
+    def _sample_lora(self) -> LoraStats | None:
+        """The engine's LoRA counters, from the metrics thread (its own event loop, a step
+        loop round trip); None where the engine does not answer."""
+        try:
+            return asyncio.run(asyncio.wait_for(self._engine.lora_stats(), _LORA_SAMPLE_TIMEOUT_S))
+        except (EngineDeadError, TimeoutError):
+            return None
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """For EngineLoadPolicy (deployments/routing/autoscaling.py), polled by Serve."""

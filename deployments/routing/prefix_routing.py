@@ -18,6 +18,12 @@
              come first, rendezvous order among equals; a prompt none holds is placed at
              the even split (eps 0), as a balancing router would: affinity pays only once
              a replica holds the prefix
+    adapter  a request under a LoRA adapter is keyed by the adapter (adapter_key), so an
+             adapter's requests share a home, and its prompts' blocks are salted by it, as
+             the engine's are: prefix affinity holds within the adapter. Ahead of the cached
+             order come the replicas holding the adapter in a slot, then those with a free
+             slot (homes: an adapter fills free slots before it evicts one); where none
+             holds it nor any of the prompt's blocks, the even split again
 
 Pure functions, no Ray: deployments/routing/router.py feeds them what Serve knows.
 """
@@ -34,6 +40,9 @@ from typing import Literal
 from engine.core.block_manager import chain_hash
 
 Decision = Literal["affinity", "spill", "least_loaded"]
+# How a replica stands to a request's LoRA adapter, best first: it holds the adapter in a
+# slot; it has a free slot; neither (it would evict one).
+HOLDS, FREE_SLOT, NO_SLOT = 2, 1, 0
 
 
 @dataclass(frozen=True)
@@ -49,14 +58,17 @@ def prefix_key(token_ids: Sequence[int], block_size: int, key_blocks: int) -> in
     return hashes[-1] if hashes else None
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int, max_blocks: int | None = None) -> list[int]:
+def block_hashes(token_ids: Sequence[int], block_size: int, max_blocks: int | None = None,
+                 salt: int | None = None) -> list[int]:
     """The keys the engine's prefix cache files the prompt's full blocks under, first
     block first. Like the engine's lookup, the last token never counts: it is always
-    computed."""
+    computed. salt: the first block's seed (adapter_key for a LoRA adapter's prompt: the
+    engine seeds those with the adapter's digest, which the router cannot read, so the
+    router's keys are its own but part the same prompts the engine parts)."""
     num_blocks = (len(token_ids) - 1) // block_size
     hashes: list[int] = []
     for index in range(num_blocks if max_blocks is None else min(max_blocks, num_blocks)):
-        previous = hashes[-1] if hashes else None
+        previous = hashes[-1] if hashes else salt
         hashes.append(chain_hash(previous, tuple(token_ids[index * block_size:(index + 1) * block_size])))
     return hashes
 
@@ -64,6 +76,11 @@ def block_hashes(token_ids: Sequence[int], block_size: int, max_blocks: int | No
 def rendezvous_order(key: int, replica_ids: Sequence[str]) -> list[str]:
     """Replicas from most to least preferred for key; the same in every process."""
     return sorted(replica_ids, key=lambda replica_id: _weight(key, replica_id), reverse=True)
+
+
+def adapter_key(name: str) -> int:
+    """A LoRA adapter's key: the same in every process."""
+    return int.from_bytes(hashlib.blake2b(f"lora/{name}".encode(), digest_size=8).digest(), "big")
 
 
 def _weight(key: int, replica_id: str) -> int:
@@ -81,19 +98,24 @@ def load_bound(total_load: int, num_replicas: int, eps: float) -> int:
     return max(math.ceil(mean), math.floor((1 + eps) * mean + 1e-9))
 
 
-def choose(key: int | None, loads: Mapping[str, int], eps: float, cached: Mapping[str, int] | None = None) -> Choice:
+def choose(key: int | None, loads: Mapping[str, int], eps: float, cached: Mapping[str, int] | None = None,
+           homes: Mapping[str, int] | None = None) -> Choice:
     """loads: every candidate replica's current load (requests in it). cached: how many
     of the prompt's blocks each replica likely holds (a router's CacheShadow): those
     holding more come first, rendezvous order among equals, so a prefix stays where a
     spill computed it. Where no replica holds any (no shared prefix, or one not seen
     yet), affinity buys nothing, and the bound is the even split (eps 0): a cold prompt
-    costs what it would under a balancing router."""
+    costs what it would under a balancing router. homes: for a request under a LoRA
+    adapter, how each replica stands to it (HOLDS, FREE_SLOT, NO_SLOT), ranked ahead of
+    cached; a replica holding the adapter earns the bound as a cached prefix does."""
     if key is None:
         return Choice(_least_loaded(loads), "least_loaded")
     order = rendezvous_order(key, list(loads))
-    if cached is not None:
-        order.sort(key=lambda replica_id: -cached.get(replica_id, 0))  # stable: rendezvous among equals
-        eps = eps if any(cached.values()) else 0.0
+    homes = homes or {}
+    if cached is not None or homes:
+        cached = cached or {}
+        order.sort(key=lambda replica_id: (-homes.get(replica_id, NO_SLOT), -cached.get(replica_id, 0)))
+        eps = eps if any(cached.values()) or HOLDS in homes.values() else 0.0
     bound = load_bound(sum(loads.values()), len(loads), eps)
     for replica_id in order:
         if loads[replica_id] + 1 <= bound:
@@ -101,18 +123,21 @@ def choose(key: int | None, loads: Mapping[str, int], eps: float, cached: Mappin
     raise AssertionError("with eps >= 0 the least-loaded replica is always within the bound")
 
 
-def choose_by_work(key: int | None, loads: Mapping[str, float], costs: Mapping[str, float], eps: float) -> Choice:
+def choose_by_work(key: int | None, loads: Mapping[str, float], costs: Mapping[str, float], eps: float,
+                   homes: Mapping[str, int] | None = None) -> Choice:
     """loads: every candidate replica's open work; costs: this request's work on each
     (less where its prefix is cached). The replicas in order of that cost, the key's
     rendezvous order among equals: a prefix stays where it is cached, even where a spill
     put it, rather than being computed again at its home. The first of them whose work,
     with this request, stays within (1 + eps) x the mean work with it; where none does
     (little in flight, or one request outweighing the rest), the one that would end with
-    the least work, which always qualifies."""
+    the least work, which always qualifies. homes: as choose's, ranked ahead of cost."""
     after = {replica_id: loads[replica_id] + costs[replica_id] for replica_id in loads}
     if key is None:
         return Choice(_least_loaded(after), "least_loaded")
-    order = sorted(rendezvous_order(key, list(loads)), key=costs.__getitem__)  # stable: rendezvous among equals
+    homes = homes or {}
+    order = sorted(rendezvous_order(key, list(loads)),  # stable: rendezvous among equals
+                   key=lambda replica_id: (-homes.get(replica_id, NO_SLOT), costs[replica_id]))
     total, least = sum(loads.values()), min(after.values())
     for replica_id in order:
         bound = (1 + eps) * (total + costs[replica_id]) / len(loads)

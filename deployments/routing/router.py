@@ -24,6 +24,12 @@ cannot hold (not yet taken by the replica when it reported), each at what it ask
 replica: the prompt tokens that replica likely lacks (this router's CacheShadow) plus its
 decode. Where a replica's report is missing or stale, this router's own requests stand in,
 and the rest of Serve's count (other routers') at this request's weight.
+
+A request under a LoRA adapter (the call's `lora`) is keyed by its adapter, not its prefix:
+it goes first to a replica holding the adapter in an engine slot (as the replica last
+reported, `lora_resident`, or as this router sent it one since), then to one with a free
+slot, within the same bound; its prompt's blocks are salted by the adapter, so prefix
+affinity holds within an adapter (deployments/routing/prefix_routing.py, adapter).
 """
 
 from __future__ import annotations
@@ -38,8 +44,11 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 
 from deployments.routing.cache_shadow import DEFAULT_NUM_BLOCKS, CacheShadow
 from deployments.observability.metrics import RouterMetrics
-from deployments.routing.prefix_routing import Choice, block_hashes, choose, choose_by_work, request_work
+from deployments.routing.prefix_routing import (
+    FREE_SLOT, HOLDS, NO_SLOT, Choice, adapter_key, block_hashes, choose, choose_by_work, request_work,
+)
 from engine import SamplingParams
+from engine.request.lora_request import LoraRequest
 
 logger = logging.getLogger("ray.serve")
 
@@ -62,6 +71,7 @@ class _Placement:
     choice: Choice
     chosen_at: float  # time.time(): compared with the replicas' reports
     work: float  # what it asks of the chosen replica (load_unit work)
+    adapter: str | None = None  # its LoRA adapter
     routed_at: float | None = None  # time.time() when Serve told this router the replica took it
     ended_at: float | None = None  # time.time() when Serve told this router it ended
 
@@ -74,13 +84,16 @@ class _Placement:
 class _Prompt:
     """What the router reads from an ingress -> engine `generate` call."""
 
-    hashes: list[int]  # its full blocks' prefix-cache keys
+    hashes: list[int]  # its full blocks' prefix-cache keys (salted by its adapter's key)
     block_size: int
     num_tokens: int
     max_tokens: int
+    adapter: str | None = None  # the LoRA adapter it runs under
 
     def key(self, key_blocks: int) -> int | None:
-        """The hash of its first key_blocks blocks (prefix_routing.prefix_key)."""
+        """The adapter's key, else the hash of its first key_blocks blocks (prefix_routing.prefix_key)."""
+        if self.adapter is not None:
+            return adapter_key(self.adapter)
         return self.hashes[min(key_blocks, len(self.hashes)) - 1] if self.hashes else None
 
 
@@ -105,11 +118,12 @@ class PrefixAffinityRouter(RequestRouter):
         if not candidate_replicas:
             return []
         by_id = {replica.replica_id.unique_id: replica for replica in candidate_replicas}
-        prompt = _prompt(pending_request, _block_size(candidate_replicas))
+        prompt = read_prompt(pending_request, _block_size(candidate_replicas))
         choice, work = self._choose(prompt, candidate_replicas)
         if pending_request is not None:
             request_id = pending_request.metadata.internal_request_id
-            self._placements[request_id] = _Placement(choice.replica_id, choice, time.time(), work)
+            self._placements[request_id] = _Placement(choice.replica_id, choice, time.time(), work,
+                                                      None if prompt is None else prompt.adapter)
         if prompt is not None:
             self._shadow.record(choice.replica_id, prompt.hashes, _num_kv_blocks(by_id[choice.replica_id]))
         chosen = by_id.pop(choice.replica_id)
@@ -138,14 +152,30 @@ class PrefixAffinityRouter(RequestRouter):
     def _choose(self, prompt: _Prompt | None, replicas: list[RunningReplica]) -> tuple[Choice, float]:
         """The replica, and the work the request asks of it."""
         key = prompt.key(self._key_blocks) if prompt is not None else None
+        homes = None if prompt is None or prompt.adapter is None else self._homes(prompt.adapter, replicas)
         if self._load_unit == "requests":
             cached = None if prompt is None else {
                 r.replica_id.unique_id: self._shadow.num_cached_blocks(r.replica_id.unique_id, prompt.hashes)
                 for r in replicas}
-            return choose(key, self._request_loads(replicas), self._eps, cached), 1.0
+            return choose(key, self._request_loads(replicas), self._eps, cached, homes), 1.0
         loads, costs = self._work_loads(prompt, replicas)
-        choice = choose_by_work(key, loads, costs, self._eps)
+        choice = choose_by_work(key, loads, costs, self._eps, homes)
         return choice, costs[choice.replica_id]
+
+    def _homes(self, adapter: str, replicas: list[RunningReplica]) -> dict[str, int]:
+        """How each replica stands to the adapter (adapter_home). This router's sends: its
+        open requests, where Serve sent them (else where last chosen: Serve asks again for
+        a request whose replica did not answer in time, and only the last choice counts),
+        as of now; those ended lately, as of their choice."""
+        now, sends = time.time(), {}
+        for placement in self._recently_ended():
+            if placement.adapter is not None:
+                sends.setdefault(placement.replica_id, {})[placement.adapter] = placement.chosen_at
+        for placement in self._live_placements():
+            if placement.adapter is not None:
+                sends.setdefault(placement.replica_id, {})[placement.adapter] = now
+        return {r.replica_id.unique_id: adapter_home(adapter, r.routing_stats or {}, sends.get(r.replica_id.unique_id, {}),
+                                                     now) for r in replicas}
 
     def _request_loads(self, replicas: list[RunningReplica]) -> dict[str, int]:
         """Each replica's open requests (request_load)."""
@@ -252,6 +282,21 @@ def request_load(report: dict, queue_len: int, live: list[float], ended: list[tu
     return len(live) + max(report["num_active"] - mine_then, 0)
 
 
+def adapter_home(adapter: str, report: dict, sent: dict[str, float], now: float) -> int:
+    """HOLDS where the replica holds the adapter in a slot: as its last report said
+    (lora_resident), or since this router sent it a request for it; else FREE_SLOT where
+    those adapters leave one of its max_loras slots free; else NO_SLOT. sent: the adapters
+    this router chose the replica for lately, and when. With the report stale or missing,
+    this router's sends alone (and no free slot it can know of)."""
+    reported_at = report.get("reported_at", 0.0)
+    if now - reported_at >= _REPORT_MAX_AGE_S or "lora_resident" not in report:
+        return HOLDS if adapter in sent else NO_SLOT
+    held = set(report["lora_resident"]) | {name for name, at in sent.items() if at > reported_at}
+    if adapter in held:
+        return HOLDS
+    return FREE_SLOT if len(held) < report["max_loras"] else NO_SLOT
+
+
 def _check_kwargs(load_bound_eps: float, key_blocks: int, load_unit: str, decode_token_cost: float) -> None:
     if not load_bound_eps >= 0:
         raise ValueError(f"load_bound_eps must be >= 0, got {load_bound_eps!r}")
@@ -263,7 +308,7 @@ def _check_kwargs(load_bound_eps: float, key_blocks: int, load_unit: str, decode
         raise ValueError(f"decode_token_cost must be >= 0, got {decode_token_cost!r}")
 
 
-def _prompt(pending_request: PendingRequest | None, block_size: int) -> _Prompt | None:
+def read_prompt(pending_request: PendingRequest | None, block_size: int) -> _Prompt | None:
     """The prompt of an ingress -> engine `generate` call, read by its arguments' names (the
     Ingress passes them by keyword: deployments/api/engine_client.py); a call without them
     is routed by load alone."""
@@ -271,10 +316,13 @@ def _prompt(pending_request: PendingRequest | None, block_size: int) -> _Prompt 
         return None
     token_ids = pending_request.kwargs.get("prompt_token_ids")
     params = pending_request.kwargs.get("params")
+    lora = pending_request.kwargs.get("lora")
     if not isinstance(token_ids, list):
         return None
     max_tokens = params.max_tokens if isinstance(params, SamplingParams) else 0
-    return _Prompt(block_hashes(token_ids, block_size), block_size, len(token_ids), max_tokens)
+    adapter = lora.name if isinstance(lora, LoraRequest) else None
+    salt = None if adapter is None else adapter_key(adapter)
+    return _Prompt(block_hashes(token_ids, block_size, salt=salt), block_size, len(token_ids), max_tokens, adapter)
 
 
 def _num_kv_blocks(replica: RunningReplica) -> int:
