@@ -5,8 +5,9 @@ holding their adapter in an engine slot, and the load bound, on a fresh local Ra
     python -m bench.scale.lora_route_bench --design multiplex       # Serve's model multiplexing, bench-only
 
 prefix-router   the engine deployment as it ships, behind PrefixAffinityRouter: an
-                adapter's requests go to the replica reporting it resident (or sent it
-                lately), then to a free slot, within (1 + eps) x the mean load
+                adapter's requests go to its home (deployments/routing/adapter_homes.py)
+                within (1 + eps) x the mean load; past it, to a replica reporting it
+                resident (or sent it lately), then to a free slot
 multiplex       Serve's default router with model multiplexing: each request's handle
                 call carries multiplexed_model_id = its adapter, the replica registers it
                 through a @serve.multiplexed loader of max_loras models (MultiplexedEngine);

@@ -21,9 +21,10 @@
     adapter  a request under a LoRA adapter is keyed by the adapter (adapter_key), so an
              adapter's requests share a home, and its prompts' blocks are salted by it, as
              the engine's are: prefix affinity holds within the adapter. Ahead of the cached
-             order come the replicas holding the adapter in a slot, then those with a free
-             slot (homes: an adapter fills free slots before it evicts one); where none
-             holds it nor any of the prompt's blocks, the even split again
+             order comes the adapter's home (adapter_homes.py: the same in every router,
+             whatever the replicas last reported), then the replicas holding it in a slot,
+             then those with a free slot; the home earns the bound, so an adapter's
+             requests stay on one replica until it is past the bound
 
 Pure functions, no Ray: deployments/routing/router.py feeds them what Serve knows.
 """
@@ -40,9 +41,10 @@ from typing import Literal
 from engine.core.block_manager import chain_hash
 
 Decision = Literal["affinity", "spill", "least_loaded"]
-# How a replica stands to a request's LoRA adapter, best first: it holds the adapter in a
-# slot; it has a free slot; neither (it would evict one).
-HOLDS, FREE_SLOT, NO_SLOT = 2, 1, 0
+# How a replica stands to a request's LoRA adapter, best first: it is the adapter's home
+# (adapter_homes.py); it holds the adapter in a slot; it has a free slot; none of these (it
+# would evict one).
+HOME, HOLDS, FREE_SLOT, NO_SLOT = 3, 2, 1, 0
 
 
 @dataclass(frozen=True)
@@ -106,8 +108,8 @@ def choose(key: int | None, loads: Mapping[str, int], eps: float, cached: Mappin
     spill computed it. Where no replica holds any (no shared prefix, or one not seen
     yet), affinity buys nothing, and the bound is the even split (eps 0): a cold prompt
     costs what it would under a balancing router. homes: for a request under a LoRA
-    adapter, how each replica stands to it (HOLDS, FREE_SLOT, NO_SLOT), ranked ahead of
-    cached; a replica holding the adapter earns the bound as a cached prefix does."""
+    adapter, how each replica stands to it (HOME, HOLDS, FREE_SLOT, NO_SLOT), ranked ahead
+    of cached; its home, or a replica holding it, earns the bound as a cached prefix does."""
     if key is None:
         return Choice(_least_loaded(loads), "least_loaded")
     order = rendezvous_order(key, list(loads))
@@ -115,7 +117,7 @@ def choose(key: int | None, loads: Mapping[str, int], eps: float, cached: Mappin
     if cached is not None or homes:
         cached = cached or {}
         order.sort(key=lambda replica_id: (-homes.get(replica_id, NO_SLOT), -cached.get(replica_id, 0)))
-        eps = eps if any(cached.values()) or HOLDS in homes.values() else 0.0
+        eps = eps if any(cached.values()) or max(homes.values(), default=NO_SLOT) >= HOLDS else 0.0
     bound = load_bound(sum(loads.values()), len(loads), eps)
     for replica_id in order:
         if loads[replica_id] + 1 <= bound:

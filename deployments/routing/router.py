@@ -26,10 +26,12 @@ decode. Where a replica's report is missing or stale, this router's own requests
 and the rest of Serve's count (other routers') at this request's weight.
 
 A request under a LoRA adapter (the call's `lora`) is keyed by its adapter, not its prefix:
-it goes first to a replica holding the adapter in an engine slot (as the replica last
-reported, `lora_resident`, or as this router sent it one since), then to one with a free
-slot, within the same bound; its prompt's blocks are salted by the adapter, so prefix
-affinity holds within an adapter (deployments/routing/prefix_routing.py, adapter).
+it goes to the adapter's home (deployments/routing/adapter_homes.py: the adapters this router
+routed within _ADAPTER_WINDOW_S, placed by bounded-load rendezvous within each replica's
+reported `max_loras`, alike in every router), within the same bound; past it, to a replica
+holding the adapter in an engine slot (as the replica last reported, `lora_resident`, or as
+this router sent it one since), then to one with a free slot. Its prompt's blocks are salted
+by the adapter, so prefix affinity holds within an adapter (prefix_routing.py, adapter).
 """
 
 from __future__ import annotations
@@ -42,10 +44,11 @@ from typing import Literal
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from deployments.routing.adapter_homes import assign_homes, recent_adapters
 from deployments.routing.cache_shadow import DEFAULT_NUM_BLOCKS, CacheShadow
 from deployments.observability.metrics import RouterMetrics
 from deployments.routing.prefix_routing import (
-    FREE_SLOT, HOLDS, NO_SLOT, Choice, adapter_key, block_hashes, choose, choose_by_work, request_work,
+    FREE_SLOT, HOLDS, HOME, NO_SLOT, Choice, adapter_key, block_hashes, choose, choose_by_work, request_work,
 )
 from engine import SamplingParams
 from engine.request.lora_request import LoraRequest
@@ -63,6 +66,10 @@ _UNROUTED_TTL_S = 10.0
 # fresh (Serve polls every request_routing_stats_period_s); older (a replica slow to answer),
 # the router counts its own requests and Serve's count instead.
 _REPORT_MAX_AGE_S = 5.0
+# An adapter keeps a home while this router routed it within this long: long enough that an
+# adapter in use keeps its home between requests (a home reassigned moves others' too), short
+# enough that one no longer asked for frees its home for the next.
+_ADAPTER_WINDOW_S = 120.0
 
 
 @dataclass
@@ -107,6 +114,8 @@ class PrefixAffinityRouter(RequestRouter):
         self._ended: deque[_Placement] = deque()  # sent and ended lately, in the order they ended
         self._shadow = CacheShadow()
         self._metrics = RouterMetrics()
+        self._adapters_routed: dict[str, float] = {}  # adapter -> when this router last routed it
+        self._adapter_homes: tuple[object, dict[str, str]] = (None, {})  # (what they were computed from, homes)
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -163,7 +172,8 @@ class PrefixAffinityRouter(RequestRouter):
         return choice, costs[choice.replica_id]
 
     def _homes(self, adapter: str, replicas: list[RunningReplica]) -> dict[str, int]:
-        """How each replica stands to the adapter (adapter_home). This router's sends: its
+        """How each replica stands to the adapter: its home (_home), else as adapter_standing
+        reads the replica's report and this router's sends. This router's sends: its
         open requests, where Serve sent them (else where last chosen: Serve asks again for
         a request whose replica did not answer in time, and only the last choice counts),
         as of now; those ended lately, as of their choice."""
@@ -174,8 +184,19 @@ class PrefixAffinityRouter(RequestRouter):
         for placement in self._live_placements():
             if placement.adapter is not None:
                 sends.setdefault(placement.replica_id, {})[placement.adapter] = now
-        return {r.replica_id.unique_id: adapter_home(adapter, r.routing_stats or {}, sends.get(r.replica_id.unique_id, {}),
-                                                     now) for r in replicas}
+        home = self._home(adapter, replicas, now)
+        return {r.replica_id.unique_id: HOME if r.replica_id.unique_id == home else adapter_standing(
+                    adapter, r.routing_stats or {}, sends.get(r.replica_id.unique_id, {}), now) for r in replicas}
+
+    def _home(self, adapter: str, replicas: list[RunningReplica], now: float) -> str:
+        """The adapter's home (assign_homes), over the adapters routed lately, this one
+        included; computed again only when those or the replicas' caps change."""
+        self._adapters_routed = recent_adapters(self._adapters_routed | {adapter: now}, now, _ADAPTER_WINDOW_S)
+        caps = {r.replica_id.unique_id: (r.routing_stats or {}).get("max_loras") for r in replicas}
+        basis = (frozenset(self._adapters_routed), frozenset(caps.items()))
+        if self._adapter_homes[0] != basis:
+            self._adapter_homes = (basis, assign_homes(self._adapters_routed, caps))
+        return self._adapter_homes[1][adapter]
 
     def _request_loads(self, replicas: list[RunningReplica]) -> dict[str, int]:
         """Each replica's open requests (request_load)."""
@@ -282,7 +303,7 @@ def request_load(report: dict, queue_len: int, live: list[float], ended: list[tu
     return len(live) + max(report["num_active"] - mine_then, 0)
 
 
-def adapter_home(adapter: str, report: dict, sent: dict[str, float], now: float) -> int:
+def adapter_standing(adapter: str, report: dict, sent: dict[str, float], now: float) -> int:
     """HOLDS where the replica holds the adapter in a slot: as its last report said
     (lora_resident), or since this router sent it a request for it; else FREE_SLOT where
     those adapters leave one of its max_loras slots free; else NO_SLOT. sent: the adapters
