@@ -43,6 +43,7 @@ from transformers import GPT2LMHeadModel
 from bench.peers.peft_peer import save_adapters
 from bench.scale.load_balance import arrival_loads
 from bench.scale.load_log import LOAD_LOG_DIR_ENV, LoggedEngine, read_load_logs
+from deployments.replicas.engine_deployment import EngineDeployment
 from engine import EngineConfig, SamplingParams
 from engine.request.lora_request import LoraRequest
 from engine.request.scheduling import Scheduling
@@ -77,7 +78,10 @@ class MultiplexedEngine(LoggedEngine):
 def deploy(args: argparse.Namespace, log_dir: Path) -> None:
     config = EngineConfig(model=args.model, weights="pretrained", max_loras=args.max_loras, num_threads=1,
                           max_num_seqs=64)
+    # max_ongoing_requests as the engine deployment's own: serve.deployment() on the subclass
+    # would give Serve's default (5), past which Serve sends a request wherever there is room.
     options = dict(name="EngineDeployment", num_replicas=2, graceful_shutdown_timeout_s=5,
+                   max_ongoing_requests=EngineDeployment.max_ongoing_requests,
                    ray_actor_options={"num_cpus": 0.75, "runtime_env": {"env_vars": {LOAD_LOG_DIR_ENV: str(log_dir)}}})
     if args.design == "prefix-router":
         engine = serve.deployment(LoggedEngine).options(**options, request_router_config=RequestRouterConfig(

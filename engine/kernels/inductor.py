@@ -9,6 +9,12 @@ AVX-512 vectors and builds it with 8-lane AVX2 types: out-of-bounds loads and st
 NaNs, heap corruption. `cpp.simdlen` from the probe puts the width into the config, so
 into the cache key, and caps inductor at what RAYINFER_CPU_ISA allows.
 
+Why our kernels' fingerprint is in the cache key too (`cache_key_tag`): a graph calls our
+ops by a boxed call whose argument list the generated C++ spells out, and the traced graph
+leaves out arguments at their defaults. A new argument with a default (a changed kernel)
+leaves the graph, so the key, unchanged, and a cached wrapper would call the new op with the
+old argument list: a crash. With the fingerprint, changed kernels compile anew.
+
 One compiled graph for every thread count: inductor's C++ takes the OpenMP thread count
 at each call (`cpp.dynamic_threads`) rather than baking in the compiling thread's, and
 dynamo keeps no guard on torch's thread count (nor on the rest of the global state it
@@ -24,6 +30,9 @@ from collections.abc import Callable, Sequence
 import torch
 
 from engine.kernels.cpu import cpu_features
+from engine.kernels.kernel_sources import sources_digest
+
+_KERNELS_TAG = f"rayinfer-kernels-{sources_digest()}"  # in the compile cache's key: the module docstring says why
 
 
 def inductor_options(device: torch.device) -> dict[str, object]:
@@ -59,7 +68,8 @@ def compile_for(device: torch.device, fn: Callable, dynamic: bool | None = None,
 
     def with_settings(*args):
         compiled = make_compiled()
-        with torch._inductor.config.patch(freezing=freezing), torch._dynamo.config.patch(specialize_float=True):
+        with (torch._inductor.config.patch(freezing=freezing), torch._dynamo.config.patch(specialize_float=True),
+              torch.compiler.config.patch(cache_key_tag=_KERNELS_TAG)):
             return compiled(*args)
 
     return with_settings

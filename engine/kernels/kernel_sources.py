@@ -44,10 +44,21 @@ def library_stem(isa: str, torch_version: str, package: Path = PACKAGE) -> str:
     """`_kernels_<isa>_<fingerprint>`: the name, without its suffix, of the library built for
     `isa` from the package's sources by this torch."""
     digest = hashlib.sha256("\0".join([torch_version, *cflags(isa)]).encode())
+    _add_sources(digest, package)
+    return f"_kernels_{isa}_{digest.hexdigest()[:16]}"
+
+
+def sources_digest(package: Path = PACKAGE) -> str:
+    """The sources' and headers' fingerprint alone: what changes our ops' schemas and code."""
+    digest = hashlib.sha256()
+    _add_sources(digest, package)
+    return digest.hexdigest()[:16]
+
+
+def _add_sources(digest, package: Path) -> None:
     for path in sorted(csrc(package).iterdir()):
         if path.suffix in (".cpp", ".h"):
             digest.update(path.name.encode() + b"\0" + path.read_bytes())
-    return f"_kernels_{isa}_{digest.hexdigest()[:16]}"
 
 
 def library(isa: str, torch_version: str, package: Path = PACKAGE) -> Path:
