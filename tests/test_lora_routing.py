@@ -5,6 +5,7 @@ prefix affinity kept within an adapter."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 from collections import Counter, OrderedDict
 
@@ -195,7 +196,10 @@ def test_a_request_goes_to_its_adapters_home_within_the_bound_and_spills_past_it
 def test_the_router_reads_a_generate_calls_adapter_and_salts_its_blocks_with_it():
     def call(lora: LoraRequest | None) -> PendingRequest:
         kwargs = {"prompt_token_ids": list(range(5 * BLOCK)), "params": SamplingParams(max_tokens=8), "lora": lora}
-        return PendingRequest([], kwargs, RequestMetadata("r", "r", call_method="generate"))
+        # A future of its own: PendingRequest's default asks for the thread's event loop, which
+        # a test run without one (this module alone on its worker) does not have.
+        future = asyncio.new_event_loop().create_future()
+        return PendingRequest([], kwargs, RequestMetadata("r", "r", call_method="generate"), future=future)
 
     base, sql = read_prompt(call(None), BLOCK), read_prompt(call(LoraRequest("sql", "/adapters/sql")), BLOCK)
     assert (base.adapter, sql.adapter) == (None, "sql")
