@@ -18,6 +18,7 @@ import pytest
 import torch
 import transformers
 
+from bench.peers.peft_peer import peft_model
 from engine import LLM, AsyncEngine, EngineConfig, SamplingParams
 from engine.lora.adapter import LoraAdapterError, load_adapter
 from engine.request.invalid_request import InvalidRequestError
@@ -46,15 +47,6 @@ def adapters(tiny_gpt2_dir, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("loras")
     return {name: save_adapter(tiny_gpt2_dir, root / name, seed, **config)
             for seed, (name, config) in enumerate(ADAPTERS.items())}
-
-
-def peft_model(base: transformers.GPT2LMHeadModel, adapters: dict[str, Path]) -> peft.PeftModel:
-    names = iter(adapters)
-    first = next(names)
-    model = peft.PeftModel.from_pretrained(base, adapters[first], adapter_name=first)
-    for name in names:
-        model.load_adapter(adapters[name], adapter_name=name)
-    return model.eval()
 
 
 @pytest.fixture(scope="module")
