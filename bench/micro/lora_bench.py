@@ -6,7 +6,8 @@ eager and compiled, beside the base linears themselves (oneDNN-prepacked, as the
 
     bgmv     gather each row's A and B from the stacked slots, two bmm (Punica's BGMV as torch ops)
     grouped  rows grouped by adapter: per adapter present, index, two mm, index_copy
-    dense    every slot at once: x @ [A_0..A_S], a one-hot row mask, @ [B_0..B_S] (what the engine runs)
+    dense    every slot at once: x @ [A_0..A_S], a one-hot row mask, @ [B_0..B_S] (eager, where our kernels do not load)
+    kernel   our op (engine/kernels/csrc/lora_delta.cpp), on the engine's slot layout (what the engine runs on CPU)
 
 Prints the fastest call's microseconds of each at 1 and 2 threads.
 """
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from transformers import GPT2Config
 
+from engine.lora.lora_linear import load_kernel
 from engine.model.packed_linear import PackedLinear, can_pack
 
 HIDDEN = 768
@@ -71,6 +73,10 @@ def dense(xs, _slots, a_cats, b_cats, mask):
     return [((x @ a).view(x.shape[0], num_slots, -1) * mask).flatten(1) @ b for x, a, b in zip(xs, a_cats, b_cats)]
 
 
+def kernel(xs, slots, a_slots, b_stacks, _mask):
+    return [torch.ops.rayinfer.lora_delta(x, slots, a, b) for x, a, b in zip(xs, a_slots, b_stacks)]
+
+
 def best_us(fn: Callable[[], object], repeats: int) -> float:
     """The fastest of `repeats` calls: on a machine other processes share, the least disturbed."""
     for _ in range(5):
@@ -92,6 +98,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=200)
     args = parser.parse_args()
     dtype, num_slots, rank = getattr(torch, args.dtype), args.max_loras + 1, args.rank
+    load_kernel()
     generator = torch.Generator().manual_seed(0)
     slots = torch.randint(0, num_slots, (args.rows,), generator=generator)
     xs = [torch.randn(args.rows, fan_in, generator=generator).to(dtype) for fan_in, _ in SHAPES]
@@ -99,7 +106,8 @@ def main() -> None:
     b_stacks = [torch.randn(num_slots, rank, fan_out, generator=generator).to(dtype) for _, fan_out in SHAPES]
     for stack in a_stacks + b_stacks:
         stack[0] = 0  # slot 0: the base model's
-    a_cats = [a.permute(1, 0, 2).flatten(1).contiguous() for a in a_stacks]  # [in, S * R], as engine/lora/slots.py
+    a_slots = [a.permute(1, 0, 2).contiguous() for a in a_stacks]  # [in, S, R], as engine/lora/slots.py
+    a_cats = [a.flatten(1) for a in a_slots]  # [in, S * R]
     b_cats = [b.flatten(0, 1) for b in b_stacks]
     mask = F.one_hot(slots, num_slots).to(dtype).unsqueeze(2)
     base = [PackedLinear(torch.randn(fan_out, fan_in).to(dtype), None) if can_pack(torch.device("cpu"), dtype)
@@ -108,8 +116,8 @@ def main() -> None:
         torch.set_num_threads(threads)
         with torch.inference_mode():
             results = {"base linears": best_us(lambda: [f(x) for f, x in zip(base, xs)], args.repeats)}
-            for name, fn in (("bgmv", bgmv), ("grouped", grouped), ("dense", dense)):
-                stacks = (a_cats, b_cats) if fn is dense else (a_stacks, b_stacks)
+            for name, fn in (("bgmv", bgmv), ("grouped", grouped), ("dense", dense), ("kernel", kernel)):
+                stacks = {dense: (a_cats, b_cats), kernel: (a_slots, b_stacks)}.get(fn, (a_stacks, b_stacks))
                 results[name] = best_us(lambda: fn(xs, slots, *stacks, mask), args.repeats)
                 if fn is not grouped:  # data-dependent shapes: no one graph
                     compiled = torch.compile(fn, dynamic=False)

@@ -13,6 +13,7 @@ import torch
 import engine.core.tuning_cache as tuning_cache
 import engine.kernels.native as native
 import engine.kernels.native_attention as native_attention
+from engine.lora.lora_linear import load_kernel as load_lora_kernel
 from engine.model.attention import decode_attention_with_own
 from engine.config import EngineConfig, KernelChoice, LinearChoice
 from engine.core.step_threads import StepThreads
@@ -63,6 +64,19 @@ def small_batch_linear(config: EngineConfig) -> bool:
         _fall_back("small_batch_linear", config.small_batch_linear, exc, "oneDNN's product for every step")
         return False
     logger.info("small_batch_linear: small steps on our C++ kernels")
+    return True
+
+
+def lora_kernel(config: EngineConfig) -> bool:
+    """Whether steps run their rows' LoRA updates on our C++ op (engine/lora/lora_linear.py):
+    on CPU, in bf16 or fp32, where our kernels load; else torch's forms of the same."""
+    if config.torch_device.type != "cpu" or config.torch_dtype not in (torch.bfloat16, torch.float32):
+        return False
+    try:
+        load_lora_kernel()
+    except Exception:  # noqa: BLE001 - native.load has logged why, once
+        logger.info("LoRA: our C++ kernel is not available; each row's update runs on torch ops")
+        return False
     return True
 
 

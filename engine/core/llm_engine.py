@@ -17,8 +17,8 @@ from engine.model.cuda_graphs import CudaGraphDecode
 from engine.model.decode_graph import DecodeGraph
 from engine.model.graph_compile import BackgroundCompile
 from engine.core.heap import limit_onednn_caches
-from engine.core.kernel_choice import (apply_measured_choices, decode_attention, sampler_draw, small_batch_linear,
-                                       use_forced_linear)
+from engine.core.kernel_choice import (apply_measured_choices, decode_attention, lora_kernel, sampler_draw,
+                                       small_batch_linear, use_forced_linear)
 from engine.model.loader import ModelSource, load_state_dict, resolve_model
 from engine.request.token_logprob import TokenLogprob
 from engine.core.model_runner import ModelOutput, ModelRunner
@@ -318,6 +318,7 @@ class LLMEngine:
         if graphed:
             raise ValueError("max_loras > 0 does not run inside CUDA graphs yet: set cuda_graphs: false")
         slots = LoraSlots(model.config, config.max_loras, config.max_lora_rank, config.torch_dtype, config.torch_device)
+        slots.kernel = lora_kernel(config)
         return LoraRegistry(model.config, config.max_lora_rank, slots)
 
     def _runner(self, model: GPT2LMHead, num_blocks: int, graphed: bool) -> ModelRunner:

@@ -113,7 +113,8 @@ class ModelRunner:
         lora_slots = self._lora_slots(seqs, num_new)
         if not graph:
             meta = self._attention_metadata(seqs, num_new, slots)
-            lora = None if lora_slots is None else LoraBatch.of(lora_slots, self.lora.stacks)
+            lora = None if lora_slots is None else LoraBatch.of(lora_slots, self.lora.stacks,
+                                                                 "kernel" if self.lora.kernel else "dense")
             return self.model(input_ids, positions, self.kv_caches, meta, logits_indices=indices, lora=lora), None
         rows = [(seq, first) for seq, n, first in zip(seqs, num_new, itertools.accumulate([0] + num_new)) for _ in range(n)]
         tables = self._block_tables([seq for seq, _ in rows])

@@ -1,7 +1,8 @@
 """Our C++ kernels (engine/kernels/csrc/*.cpp) for this CPU's vector ISA, loaded as ops under
 `torch.ops.rayinfer`: `decode_attention` (engine/kernels/native_attention.py), the decode graph's KV
 write `write_kv` (engine/model/decode_graph.py), the sampler's `draw` and `argmax`
-(engine/sampling/sampler.py) and the small-batch `linear` (engine/model/packed_linear.py).
+(engine/sampling/sampler.py), the small-batch `linear` (engine/model/packed_linear.py) and the
+rows' LoRA updates `lora_delta` (engine/lora/lora_linear.py).
 
 `pip install` builds them (setup.py, one library an ISA in the package), so an engine only
 loads the one for its ISA. Where the install built none for these sources (a machine without

@@ -20,6 +20,7 @@ from engine.lora.adapter import MODULE_KINDS, LoraAdapter, module_shape
 class LoraSlots:
     def __init__(self, model: GPT2Config, max_loras: int, max_rank: int, dtype: torch.dtype, device: torch.device):
         self.num_slots, self.max_rank = max_loras + 1, max_rank
+        self.kernel = False  # whether steps run the rows' updates on our C++ op (engine/lora/lora_linear.py)
         self.a: dict[str, torch.Tensor] = {}
         self.b: dict[str, torch.Tensor] = {}
         for kind in MODULE_KINDS:

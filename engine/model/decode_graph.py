@@ -45,7 +45,7 @@ from torch import nn
 
 from engine.model.attention import decode_attention_with_own
 from engine.kernels.inductor import compile_for
-from engine.lora.lora_linear import LoraBatch
+from engine.lora.lora_linear import LoraBatch, LoraForm
 from engine.lora.slots import LoraSlots
 from engine.model.gpt2 import GPT2LMHead
 from engine.kernels.native_attention import DecodeAttention
@@ -72,12 +72,13 @@ def write_new_kv(kv_pool: torch.Tensor, new_kv: torch.Tensor, slot_mapping: torc
 def decode_step(model: GPT2LMHead, attention: DecodeAttention, argmax: bool, input_ids: torch.Tensor,
                 positions: torch.Tensor, kv_pool: torch.Tensor, block_tables: torch.Tensor, first_rows: torch.Tensor,
                 logits_indices: torch.Tensor, lora_slots: torch.Tensor | None = None,
-                lora_stacks: tuple[torch.Tensor, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+                lora_stacks: tuple[torch.Tensor, ...] = (), lora_form: LoraForm = "per_row",
+                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """What the graph computes: logits [S, vocab] of the rows logits_indices picks, in the
     model's dtype, their greedy tokens [S] (None unless `argmax`) and the new k, v of every
     layer as [n_layer * 2 * H, T, D], the pool's row order. With LoRA on, each row's adapter
     slot (0: the base model) and the slots' stacked weights (engine/lora/slots.py) are inputs."""
-    lora = None if lora_slots is None else LoraBatch.of(lora_slots, lora_stacks, per_row=True)
+    lora = None if lora_slots is None else LoraBatch.of(lora_slots, lora_stacks, lora_form)
     logits, keys, values = model.decode(input_ids, positions, layer_caches(kv_pool), block_tables, attention,
                                         first_rows, logits_indices, lora)
     new_kv = torch.stack([keys, values], dim=1).permute(0, 1, 3, 2, 4)  # [n_layer, 2, H, T, D]
@@ -100,7 +101,8 @@ class DecodeGraph:
         is traced at its first call."""
         self.attention = attention
         self.native_write = attention is not decode_attention_with_own  # our kernels are built: write with ours too
-        step = functools.partial(decode_step, self._model, attention, self._argmax)
+        lora_form = "kernel" if self.lora is not None and self.lora.kernel else "per_row"
+        step = functools.partial(decode_step, self._model, attention, self._argmax, lora_form=lora_form)
         # On CPU the kernels are called from C++, not Python: a step's dispatch costs less.
         freezing = any(isinstance(module, nn.Linear) for module in self._model.modules())  # inductor packs only constants
         self._compiled = compile_for(self._device, step, dynamic=True, freezing=freezing,
