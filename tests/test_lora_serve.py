@@ -2,7 +2,9 @@
 PEFT adapters: a request's `model` names an adapter declared in the config (`lora_modules`)
 or loaded at run time (`/v1/load_lora_adapter`), streamed or not, and its greedy output is
 the offline engine's under the same adapter, not the base model's; the response names the
-adapter; /v1/models lists each adapter with the base model as parent. An unknown name is a
+adapter; /v1/models lists each adapter with the base model as parent. The engine holds one
+adapter at a time (max_loras 1), so adapters named in turn, or at once, evict each other and
+each still answers as under it alone. An unknown name is a
 404, a path that leaves lora_dir a 400 with nothing read, an adapter the engine refuses a
 400 naming why; an unloaded adapter is a 404 at once while the request streaming under it
 finishes. Args that cannot work are refused when the app is built. (Without
@@ -61,7 +63,8 @@ def outside(lora_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def lora_args(model_dir: Path, lora_dir: Path, **overrides) -> dict:
     return tiny_app_args(model_dir, lora_dir=str(lora_dir), lora_modules={"sql": "sql"}, api_keys=[KEY],
-                         allow_runtime_lora_updating=True, engine={"max_lora_rank": MAX_LORA_RANK}, **overrides)
+                         allow_runtime_lora_updating=True, engine={"max_lora_rank": MAX_LORA_RANK, "max_loras": 1},
+                         **overrides)
 
 
 @pytest.fixture(scope="module")
@@ -164,6 +167,21 @@ def test_an_adapter_loaded_at_run_time_answers_as_the_offline_engine_streamed_an
     assert (whole["model"], whole["choices"][0]["text"]) == (poem, offline["poem"][2])
     assert streamed_text(http, greedy(poem, PROMPTS[2])) == (offline["poem"][2], {poem})
     assert offline["poem"] != offline[None] and offline["poem"] != offline["sql"]
+
+
+def test_adapters_through_one_slot_evict_each_other_in_turn_and_at_once_and_each_answers_as_under_it_alone(
+        base_url: str, http_headers: dict, http: httpx.Client, offline: dict, poem: str) -> None:
+    for name in ("sql", poem, "sql", poem):  # each request's adapter evicts the other from the one slot
+        answer = http.post("/v1/completions", json=greedy(name, PROMPTS[2])).json()
+        assert answer["choices"][0]["text"] == offline[name][2]
+
+    async def at_once(client: httpx.AsyncClient) -> list[httpx.Response]:  # one waits for the slot
+        bodies = [greedy(name, PROMPTS[i]) for i in range(3) for name in ("sql", poem)]
+        return await asyncio.gather(*(client.post("/v1/completions", json=body) for body in bodies))
+
+    answers = run_async(at_once, base_url, http_headers)
+    assert [a.json()["choices"][0]["text"] for a in answers] == \
+        [offline[name][i] for i in range(3) for name in ("sql", poem)]
 
 
 def test_an_unloaded_adapter_is_a_404_and_its_name_can_be_loaded_again(http: httpx.Client, poem: str) -> None:
