@@ -59,8 +59,9 @@ class EngineConfig:
     # engine serves, one per bucket of rows and block-table width (engine/model/cuda_graphs.py);
     # other steps run eagerly. With compile_decode (auto on CUDA: on) the graphs hold the
     # compiled step, Triton kernels for the fused pieces.
-    # auto: on CUDA (vLLM's default; false is its enforce_eager); true: the same, and an
-    # error off CUDA.
+    # auto: on CUDA (vLLM's default; false is its enforce_eager), except with LoRA on
+    # (max_loras > 0), whose rows the captured graphs do not take yet; true: the same, and an
+    # error off CUDA or with LoRA on.
     cuda_graphs: bool | Literal["auto"] = "auto"
     # The compiled decode graph's attention. native: our C++ kernel (engine/kernels/native_attention.py,
     # built once per machine for the probed ISA); torch: the same math as a PyTorch
@@ -250,16 +251,19 @@ class EngineConfig:
         if self.compile_decode == "auto":
             # On CUDA only inside CUDA graphs: launched from Python, inductor's kernels are
             # slower than the eager step.
-            return self.torch_device.type == "cpu" or self.cuda_graphs is not False
+            return self.torch_device.type == "cpu" or self.decode_graphed
         return bool(self.compile_decode)
 
     @cached_property
     def decode_graphed(self) -> bool:
         """Whether decode steps replay CUDA graphs (cuda_graphs resolved)."""
         on_cuda = self.torch_device.type == "cuda"
+        if self.cuda_graphs is True and self.max_loras:
+            raise ValueError("cuda_graphs: true does not take LoRA rows yet: set max_loras: 0, or cuda_graphs: auto "
+                             "(off with LoRA on)")
         if self.cuda_graphs is True and not on_cuda:
             raise ValueError(f"cuda_graphs: true needs a CUDA device, not {self.torch_device}")
-        return on_cuda and self.cuda_graphs is not False
+        return on_cuda and self.cuda_graphs is not False and not self.max_loras
 
     def step_tokens(self, cpu_graph: bool) -> int:
         """max_num_batched_tokens resolved; cpu_graph: whether the engine's steps take the

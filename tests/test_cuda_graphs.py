@@ -43,6 +43,12 @@ def test_cuda_graphs_resolve_to_off_on_cpu_and_an_explicit_true_there_is_refused
         _ = EngineConfig(device="cpu", cuda_graphs=True).decode_graphed
 
 
+def test_cuda_graphs_true_with_lora_on_is_refused_naming_what_to_set():
+    with pytest.raises(ValueError, match="cuda_graphs: true does not take LoRA rows yet: set max_loras: 0"):
+        _ = EngineConfig(device="cpu", cuda_graphs=True, max_loras=2).decode_graphed
+    assert EngineConfig(device="cpu", max_loras=2).decode_graphed is False
+
+
 def test_an_engine_on_cpu_refuses_cuda_graphs_true_before_it_loads_weights(tiny_gpt2_dir):
     from engine import LLM
 

@@ -127,6 +127,24 @@ def test_cuda_compile_decode_auto_compiles_inside_cuda_graphs_only(tiny_gpt2_dir
     assert graphed.engine.scheduler.max_num_batched_tokens == 512
 
 
+def test_lora_on_cuda_runs_eager_steps_where_cuda_graphs_is_auto_and_each_adapter_is_its_own(tiny_gpt2_dir, tmp_path):
+    """The captured graphs do not take adapter rows yet: auto resolves them off (and the
+    compiled step with them) rather than refusing the engine; adapter and base rows mixed."""
+    from tests.test_lora import save_adapter
+
+    adapter = save_adapter(tiny_gpt2_dir, tmp_path / "a", 0, r=8, lora_alpha=16, target_modules=["c_attn", "c_fc"])
+    config = EngineConfig(device="cuda", max_loras=1, compile_decode="auto")
+    assert not config.decode_graphed and not config.decode_compiled
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    outputs = {}
+    for device in ("cuda", "cpu"):
+        llm = LLM(str(tiny_gpt2_dir), weights="pretrained", device=device, dtype="float32", compile_decode=False,
+                  max_loras=1)
+        llm.engine.add_lora("a", str(adapter))
+        outputs[device] = [o.token_ids for o in llm.generate([[1, 2, 3], [1, 2, 3]], params, lora_name=["a", None])]
+    assert outputs["cuda"] == outputs["cpu"] and outputs["cuda"][0] != outputs["cuda"][1]
+
+
 def test_a_compiled_step_that_cannot_capture_falls_back_to_graphs_of_the_eager_step(tiny_gpt2_dir, monkeypatch):
     capture = CudaGraphDecode.capture
 

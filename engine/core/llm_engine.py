@@ -73,7 +73,7 @@ class LLMEngine:
         self.model_info = self._model_info(source)
         num_blocks = self._num_kv_blocks(model)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.loras = self._lora_registry(model, graphed)
+        self.loras = self._lora_registry(model)
         self.runner = self._runner(model, num_blocks, graphed)
         self.runner.lora = None if self.loras is None else self.loras.slots
         self._compile = self._start_compile(on_compiled) if compile_in_background else None
@@ -310,13 +310,12 @@ class LLMEngine:
             raise ValueError("LoRA is off: start the engine with max_loras > 0")
         return self.loras
 
-    def _lora_registry(self, model: GPT2LMHead, graphed: bool) -> LoraRegistry | None:
-        """The adapters' registry and slots where max_loras > 0; None leaves the model as it is."""
+    def _lora_registry(self, model: GPT2LMHead) -> LoraRegistry | None:
+        """The adapters' registry and slots where max_loras > 0 (config.decode_graphed is then
+        off); None leaves the model as it is."""
         config = self.config
         if not config.max_loras:
             return None
-        if graphed:
-            raise ValueError("max_loras > 0 does not run inside CUDA graphs yet: set cuda_graphs: false")
         slots = LoraSlots(model.config, config.max_loras, config.max_lora_rank, config.torch_dtype, config.torch_device)
         slots.kernel = lora_kernel(config)
         return LoraRegistry(model.config, config.max_lora_rank, slots)
