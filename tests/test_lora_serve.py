@@ -2,7 +2,8 @@
 PEFT adapters: a request's `model` names an adapter declared in the config (`lora_modules`)
 or loaded at run time (`/v1/load_lora_adapter`), streamed or not, and its greedy output is
 the offline engine's under the same adapter, not the base model's; the response names the
-adapter; /v1/models lists each adapter with the base model as parent. The engine holds one
+adapter; /v1/models lists each adapter with the base model as parent; a name loaded again
+reads its files again. The engine holds one
 adapter at a time (max_loras 1), so adapters named in turn, or at once, evict each other and
 each still answers as under it alone. An unknown name is a
 404, a path that leaves lora_dir a 400 with nothing read, an adapter the engine refuses a
@@ -189,6 +190,27 @@ def test_an_unloaded_adapter_is_a_404_and_its_name_can_be_loaded_again(http: htt
     assert_openai_error(http.post("/v1/completions", json=greedy(poem, "Hi")), 404, "invalid_request_error", "model")
     assert load(http, poem, poem).status_code == 200
     assert http.post("/v1/completions", json=greedy(poem, "Hi")).status_code == 200
+
+
+def test_a_name_loaded_again_from_the_same_path_answers_as_the_files_there_now(
+        http: httpx.Client, lora_dir: Path, offline: dict) -> None:
+    """Unloaded, its files rewritten in place (a new fine-tune saved over the old one), and
+    loaded again under the same name and path: the answers are the new files', as vLLM reads
+    them again, never the adapter the engine replica read before."""
+    directory = lora_dir / "rewritten"
+    shutil.copytree(lora_dir / "poem", directory)
+    try:
+        for source in ("poem", "sql"):
+            if source == "sql":
+                assert unload(http, "rewritten").status_code == 200
+                shutil.rmtree(directory)
+                shutil.copytree(lora_dir / source, directory)
+            assert load(http, "rewritten", "rewritten").status_code == 200
+            answer = http.post("/v1/completions", json=greedy("rewritten", PROMPTS[0])).json()
+            assert answer["choices"][0]["text"] == offline[source][0]
+    finally:
+        unload(http, "rewritten")
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def test_loading_a_name_already_served_is_a_400(http: httpx.Client) -> None:

@@ -14,6 +14,7 @@ start, where a config file's `deployments:` overrides are known; check_one_ingre
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -70,12 +71,14 @@ class LoraCatalog:
         return self.adapters[name]
 
     def resolve(self, name: str, path: str) -> LoraRequest:
-        """A runtime load's adapter, not yet listed: a 400 for a name taken or a path outside."""
+        """A runtime load's adapter, not yet listed, with a load_id of its own (the clock's
+        nanoseconds: no earlier load on any replica had it, across Ingress restarts too); a
+        400 for a name taken or a path outside."""
         self.check_name_is_free(name)
         target = None if self.root is None else resolve_inside(self.root, path)
         if target is None:
             raise outside(path)
-        return LoraRequest(name, str(target))
+        return LoraRequest(name, str(target), time.time_ns())
 
     def add(self, lora: LoraRequest) -> None:
         self.check_name_is_free(lora.name)  # again: another load of the name may have finished meanwhile

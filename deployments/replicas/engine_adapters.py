@@ -40,7 +40,7 @@ class ReplicaAdapters:
         self._engine = engine
         self._max_adapters = max_adapters
         self._on_arrival = on_arrival
-        self._paths: OrderedDict[str, str] = OrderedDict()  # name -> its directory, least recently requested first
+        self._read_as: OrderedDict[str, LoraRequest] = OrderedDict()  # name -> the load read, least recently requested first
         self._uses: Counter[str] = Counter()  # this replica's requests of each adapter, from arrival to end
         self._read_lock = asyncio.Lock()  # one read or forget at a time: the bound counts every read
         self._trim: asyncio.Task | None = None  # forgetting down to the bound after a use ended past it
@@ -60,19 +60,19 @@ class ReplicaAdapters:
             self._uses[lora.name] -= 1
             if not self._uses[lora.name]:
                 del self._uses[lora.name]
-            if len(self._paths) > self._max_adapters and self._trim is None:
+            if len(self._read_as) > self._max_adapters and self._trim is None:
                 self._trim = asyncio.get_running_loop().create_task(self._trim_to_bound())
 
     async def _ensure(self, lora: LoraRequest) -> LoraInfo:
         """Raises InvalidRequestError, naming the model field, for an adapter the engine
         refuses (DoRA, a rank past max_lora_rank, another model's shapes)."""
-        was_read = self._paths.get(lora.name) == lora.path
+        was_read = self._read_as.get(lora.name) == lora
         if not was_read:
             async with self._read_lock:
-                if self._paths.get(lora.name) != lora.path:  # else another request read it meanwhile
+                if self._read_as.get(lora.name) != lora:  # else another request read it meanwhile
                     await self._read(lora)
                     await self._forget_past_bound()
-        self._paths.move_to_end(lora.name)
+        self._read_as.move_to_end(lora.name)
         info = next(info for info in await self._engine.list_loras() if info.name == lora.name)
         if self._on_arrival is not None:
             self._on_arrival(lora.name, "none" if not was_read else "resident" if info.is_resident else "read")
@@ -94,33 +94,33 @@ class ReplicaAdapters:
 
     def held(self) -> list[str]:
         """The adapters read, least recently requested first."""
-        return list(self._paths)
+        return list(self._read_as)
 
     async def _read(self, lora: LoraRequest) -> None:
         try:
-            if lora.name in self._paths:  # the name now points at another directory
+            if lora.name in self._read_as:  # the name loaded again since: another directory, or rewritten files
                 await self._engine.remove_lora(lora.name)
-                del self._paths[lora.name]
+                del self._read_as[lora.name]
             await self._engine.add_lora(lora.name, lora.path)
         except ValueError as error:  # LoraAdapterError, LoRA off, or the old adapter still in use
             raise InvalidRequestError(f"LoRA adapter {lora.name!r}: {error}", param="model") from None
-        self._paths[lora.name] = lora.path
+        self._read_as[lora.name] = lora
 
     async def _forget_past_bound(self) -> None:
         """Forget the least recently requested adapters no request uses, down to the bound.
-        Each leaves _paths before the engine forgets it, with no await between the check
+        Each leaves _read_as before the engine forgets it, with no await between the check
         that it is idle and that: a request arriving meanwhile reads it again (behind
         _read_lock) rather than finding it held and then missing."""
-        for name in list(self._paths):  # the one just read is in use: kept
-            if len(self._paths) <= self._max_adapters:
+        for name in list(self._read_as):  # the one just read is in use: kept
+            if len(self._read_as) <= self._max_adapters:
                 return
             if self._uses[name]:
                 continue
-            path = self._paths.pop(name)
+            read_as = self._read_as.pop(name)
             try:
                 await self._engine.remove_lora(name)
             except ValueError:  # an aborted request the step loop has not yet dropped: kept, for now
-                self._paths[name] = path
-                self._paths.move_to_end(name, last=False)
+                self._read_as[name] = read_as
+                self._read_as.move_to_end(name, last=False)
                 continue
             self.num_forgotten += 1
