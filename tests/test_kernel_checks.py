@@ -2,7 +2,8 @@
 emulated step) checks its inputs before it touches their memory: a caller's mismatched
 tensor (wrong head count, a pool smaller than its block table says, a wrong dtype, a layout
 the kernel cannot walk, a bias or residual of another size, an index outside its pool) is a
-RuntimeError naming the problem, never a read or write out of bounds."""
+RuntimeError naming the problem, never a read or write out of bounds. (lora_delta's checks:
+tests/test_lora_kernel.py, beside what it computes.)"""
 
 from __future__ import annotations
 
