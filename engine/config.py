@@ -76,7 +76,9 @@ class EngineConfig:
     graph_prefill_tokens: int = 128
     # The sampler's draw (argmax and an inverse-CDF draw per row). native: our C++ kernel
     # (engine/kernels/csrc/sampling.cpp, built with decode_attention's); torch: torch ops, compiled
-    # with compile_decode; auto: native on CPU where it builds, else torch, logged.
+    # with compile_decode; auto: on CPU where ours builds, the faster of the two for the decode
+    # graph's steps, measured before it compiles (engine/core/tuner.py; cached), ours until
+    # then and without the graph; else torch, logged.
     sampler: KernelChoice = "auto"
     # Prepacked linears (linears: auto) on small steps. native: our C++ kernels over a second
     # copy of the weights, kept beside the packed ones (the linears' weights take twice the

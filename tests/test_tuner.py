@@ -18,7 +18,7 @@ import torch
 import engine.core.kernel_choice as kernel_choice
 import engine.core.tuner as tuner
 import engine.core.tuning_cache as tuning_cache
-from engine import LLM
+from engine import LLM, SamplingParams
 from engine.core.kernel_choice import apply_measured_choices
 from engine.core.tuner import Tuning, cheaper, race, segments, threshold, tune
 from engine.model.attention import decode_attention_with_own
@@ -126,7 +126,7 @@ def test_a_later_start_loads_the_table_and_a_changed_key_tunes_again(tiny_gpt2_d
                                                                      restore_torch_threads):
     monkeypatch.setenv(tuning_cache.TUNING_DIR_ENV, str(tmp_path))
     calls = []
-    monkeypatch.setattr(kernel_choice, "tune", lambda *args: calls.append(args) or tune(*args))
+    monkeypatch.setattr(kernel_choice, "tune", lambda *args, **kwargs: calls.append(args) or tune(*args, **kwargs))
     llm = tiny_llm(tiny_gpt2_dir, num_threads=2)
     engine = llm.engine
     first = apply_measured_choices(engine.config, engine.runner.model, engine.step_threads)
@@ -155,7 +155,7 @@ def test_a_tuner_past_its_budget_keeps_the_defaults_and_caches_nothing(tiny_gpt2
 
 
 def test_options_set_by_hand_are_not_measured(tiny_gpt2_dir, monkeypatch):
-    monkeypatch.setattr(kernel_choice, "tune", lambda *_: pytest.fail("measured an option set by hand"))
+    monkeypatch.setattr(kernel_choice, "tune", lambda *_, **__: pytest.fail("measured an option set by hand"))
     llm = tiny_llm(tiny_gpt2_dir, small_batch_linear="native", one_thread_max_tokens=1)
     engine = llm.engine
     assert apply_measured_choices(engine.config, engine.runner.model, engine.step_threads) is None
@@ -165,8 +165,8 @@ def test_options_set_by_hand_are_not_measured(tiny_gpt2_dir, monkeypatch):
 def test_the_engine_sets_the_measured_choices_before_its_graph_is_traced(tiny_gpt2_dir, tmp_path, monkeypatch):
     monkeypatch.setenv(tuning_cache.TUNING_DIR_ENV, str(tmp_path))  # no table yet: it measures
     tuned, seen = [], []
-    monkeypatch.setattr(kernel_choice, "tune", lambda model, *_: tuned.append(model)
-                        or Tuning(2, 5, "ours", linear_brgemm_rows=8))
+    monkeypatch.setattr(kernel_choice, "tune", lambda model, *_, **__: tuned.append(model)
+                        or Tuning(2, 5, "ours", linear_brgemm_rows=8, sampler="ours"))
     monkeypatch.setattr(DecodeGraph, "warm_up", lambda *_: seen.append(
         {(m.max_rows, m.brgemm_rows) for m in tuned[0].modules() if isinstance(m, PackedLinear)}))
     llm = LLM(str(tiny_gpt2_dir), weights="pretrained", dtype=DTYPE, device="cpu", compile_decode=True,
@@ -188,6 +188,23 @@ def test_the_tuner_picks_the_faster_attention_and_the_graph_is_traced_on_it(tiny
     graph = llm.engine.runner.decode_graph
     assert graph.attention is (decode_attention_with_own if slow == "ours" else torch.ops.rayinfer.decode_attention)
     assert graph.native_write is (slow == "torch")
+
+
+@pytest.mark.parametrize("slow", ["ours", "torch"])
+def test_the_tuner_picks_the_faster_draw_and_the_engine_samples_with_it(tiny_gpt2_dir, tmp_path, monkeypatch, slow):
+    """Torch's draw, where faster, replaces ours in the sampler, and greedy rows then take the
+    graph's argmax (ours computes its own); the same seeded request draws the same tokens."""
+    monkeypatch.setenv(tuning_cache.TUNING_DIR_ENV, str(tmp_path))
+    monkeypatch.setattr(tuner, "_draw_step", lambda run, vocab, dtype, rows, to_float: fake(
+        to_float == (slow == "torch")))  # to_float: torch's draw
+    llm = LLM(str(tiny_gpt2_dir), weights="pretrained", dtype="float32", device="cpu", compile_decode=True,
+              small_batch_linear="native", one_thread_max_tokens=1, decode_attention="native")  # sampler alone is auto
+    runner = llm.engine.runner
+    assert (runner.sampler.native is None, runner.sampler.is_compiled) == ((True, True) if slow == "ours" else (False, False))
+    assert runner.decode_graph._argmax is (slow == "ours")
+    params = SamplingParams(max_tokens=12, temperature=0.8, seed=7, ignore_eos=True)
+    eager = LLM(str(tiny_gpt2_dir), weights="pretrained", dtype="float32", device="cpu", compile_decode=False)
+    assert llm.generate([[5, 6, 7]], params)[0].token_ids == eager.generate([[5, 6, 7]], params)[0].token_ids
 
 
 @pytest.fixture(scope="module")

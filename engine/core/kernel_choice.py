@@ -21,7 +21,7 @@ from engine.core.tuner import Tuning, tune
 from engine.model.decode_graph import DecodeGraph
 from engine.model.gpt2 import GPT2LMHead
 from engine.model.packed_linear import PackedLinear, can_pack, load_few_rows, runs_brgemm
-from engine.sampling.sampler import Draw
+from engine.sampling.sampler import Draw, Sampler
 
 logger = logging.getLogger(__name__)
 
@@ -94,11 +94,13 @@ def use_forced_linear(config: EngineConfig, model: GPT2LMHead) -> GPT2LMHead:
 
 
 def apply_measured_choices(config: EngineConfig, model: GPT2LMHead, step_threads: StepThreads,
-                           graph: DecodeGraph | None = None, kv_pool: torch.Tensor | None = None) -> Tuning | None:
+                           graph: DecodeGraph | None = None, kv_pool: torch.Tensor | None = None,
+                           sampler: Sampler | None = None) -> Tuning | None:
     """The `auto` choices the tuner measures (engine/core/tuner.py: small_batch_linear's
-    crossover, one_thread_max_tokens, the decode graph's attention on kv_pool), from its
-    cache or measured now, set on the model's linears, the engine's step threads and the
-    graph (not yet compiled); None where nothing is `auto` here.
+    crossover, one_thread_max_tokens, the decode graph's attention on kv_pool, and the
+    draw of the graph's sampler, where ours runs), from its cache or measured now, set on
+    the model's linears, the engine's step threads and the graph (not yet compiled; the
+    caller swaps the sampler where tuning.sampler is "torch"); None where nothing is `auto` here.
 
     Called before the decode graph is traced, on the thread that compiles it, beside steps
     that may be running: each value is one attribute the step loop reads whole, and the old
@@ -108,18 +110,20 @@ def apply_measured_choices(config: EngineConfig, model: GPT2LMHead, step_threads
     threads = config.cpu_threads if config.one_thread_max_tokens == "auto" and on_cpu else None
     attention = (config.decode_attention == "auto" and graph is not None and kv_pool is not None
                  and graph.attention is not decode_attention_with_own)  # where ours built: both run
-    if not linears and threads is None and not attention:
+    draws = config.sampler == "auto" and graph is not None and sampler is not None and sampler.native is not None
+    if not linears and threads is None and not attention and not draws:
         return None
     hf = model.config
     key = tuning_cache.tuning_key(
         config.torch_dtype, config.cpu_threads,
         {"n_layer": hf.n_layer, "n_embd": hf.n_embd, "n_inner": hf.n_inner or 4 * hf.n_embd, "vocab": hf.vocab_size},
         {"small_batch_linear": linears, "one_thread_max_tokens": threads is not None, "decode_attention": attention,
-         "kv_pool": list(kv_pool.shape) if attention else None})
+         "kv_pool": list(kv_pool.shape) if attention else None, "sampler": draws})
     tuning = tuning_cache.load(key)
     if tuning is None:
         with torch.no_grad():
-            tuning = tune(model, linears, threads, kv_pool if attention else None)
+            tuning = tune(model, linears, threads, kv_pool if attention else None,
+                          draw_vocab=hf.vocab_size if draws else None)
         where = f"saved to {tuning_cache.save(key, tuning)}" if tuning.complete else "over its time budget, not cached"
         tuning.log(f"measured, {where}")
     else:
@@ -131,6 +135,8 @@ def apply_measured_choices(config: EngineConfig, model: GPT2LMHead, step_threads
 def _apply(tuning: Tuning, model: GPT2LMHead, step_threads: StepThreads, graph: DecodeGraph | None) -> None:
     if tuning.decode_attention == "torch" and graph is not None:
         graph.use_attention(decode_attention_with_own)
+    if tuning.sampler == "torch" and graph is not None:
+        graph.use_argmax_in_graph(True)
     if tuning.linear_max_rows is not None:
         _set_linear_limits(model, tuning.linear_max_rows, tuning.linear_brgemm_rows or 0)
     if tuning.one_thread_max_tokens is not None:

@@ -380,7 +380,10 @@ class LLMEngine:
         """The measured choices first (engine/core/tuner.py), so that the graph is traced on
         them; where tuning fails, the defaults stand (logged) and the graph compiles on them."""
         try:
-            apply_measured_choices(self.config, self.runner.model, self.step_threads, graph, self.runner.kv_pool)
+            tuning = apply_measured_choices(self.config, self.runner.model, self.step_threads, graph,
+                                            self.runner.kv_pool, sampler)
+            if tuning is not None and tuning.sampler == "torch":
+                sampler = self._torch_draw(sampler)
         except Exception as exc:  # noqa: BLE001 - a slower default is still a correct one
             logger.warning("tuning failed (%r); the hot path's auto choices keep their defaults", exc)
         return self._warm_up(graph, sampler)
@@ -415,6 +418,12 @@ class LLMEngine:
             logger.warning("cuda_graphs: capture failed (%r); decode steps run eagerly", exc)
             return None
         return graphs
+
+    def _torch_draw(self, sampler: Sampler) -> Sampler:
+        """A sampler drawing on torch's ops, compiled, from the same random stream."""
+        compiled = Sampler(self.config.seed, self.config.torch_device, compiled=True)
+        compiled.generator = sampler.generator
+        return compiled
 
     def _eager(self, sampler: Sampler) -> Sampler:
         """The sampler, or where its draw is compiled an eager one drawing from its random stream."""

@@ -15,6 +15,10 @@ What it decides (each only where its option is `auto`):
 - decode_attention: our kernel or the expression inductor compiles, one for the graph:
   both timed on the engine's KV pool at a few decode batches (the expression compiled
   alone first, outside the time budget).
+- sampler: the draw of a sampled step's tokens (argmax, softmax and an inverse-CDF draw per
+  row): our kernel (engine/kernels/csrc/sampling.cpp) or torch's ops compiled by inductor,
+  both timed on the model's vocabulary at a few batches (the torch draw compiled first,
+  outside the time budget). Where torch's wins, greedy rows take the decode graph's argmax too.
 - one_thread_max_tokens: the largest step (in rows) that runs on one torch thread. Measured
   offline, a second thread almost always helps; in a server the engine's cores are shared
   with the path to the client, whose preemptions stall a small step's barriers
@@ -41,6 +45,7 @@ import engine.kernels.onednn_linear as onednn
 from engine.kernels.inductor import compile_for
 from engine.model.attention import decode_attention_with_own
 from engine.model.packed_linear import PackedLinear, own_max_rows, runs_brgemm
+from engine.sampling.sampler import draw
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +53,7 @@ LINEAR_ROWS = (1, 2, 4, 8, 16, 32, 64)  # a stream's decode (padded to 2 by the 
 THREAD_ROWS = (1, 2, 4, 8)
 ATTENTION_ROWS = (2, 8, 32)  # decodes a step; 2, not 1: the graph pads one row to two
 ATTENTION_CONTEXT = 200  # cached tokens each row attends to
+DRAW_ROWS = (2, 8, 32)  # sampled rows a step; 2, not 1: the compiled draw pads one row to two
 SHARED_CORES_MARGIN = 1.3
 REPEATS = 3
 # Past it the tuner stops: a machine busy enough to stretch a few seconds' measuring this far
@@ -73,13 +79,15 @@ class Tuning:
     timings: tuple[Timing, ...] = ()
     complete: bool = True  # every candidate measured within BUDGET_S
     linear_brgemm_rows: int | None = None  # past linear_max_rows, up to it: oneDNN's brgemm ukernel
+    sampler: str | None = None  # "ours" or "torch"
 
     def log(self, source: str) -> None:
         """The table, each candidate's time a line, and the winners, once per engine."""
         winners = [f"{name} {value}" for name, value in (("small_batch_linear: ours up to rows", self.linear_max_rows),
                                                           ("brgemm up to rows", self.linear_brgemm_rows),
                                                           ("one_thread_max_tokens", self.one_thread_max_tokens),
-                                                          ("decode_attention", self.decode_attention))
+                                                          ("decode_attention", self.decode_attention),
+                                                          ("sampler", self.sampler))
                    if value is not None]
         logger.info("tuning (%s): %s", source, ", ".join(winners) or "nothing decided, the defaults stand")
         for t in self.timings:
@@ -112,10 +120,11 @@ def threshold(times: Sequence[tuple[int, float, float]]) -> int:
 
 
 def tune(model: torch.nn.Module, linears: bool, threads: int | None, kv_pool: torch.Tensor | None = None,
-         budget_s: float | None = None) -> Tuning:
+         budget_s: float | None = None, draw_vocab: int | None = None) -> Tuning:
     """Measure what is asked: linears (the crossover of our kernel and oneDNN's), threads
     (the engine's thread count, to race one thread against), kv_pool (the engine's: our
-    attention against inductor's). Call under no grad."""
+    attention against inductor's), draw_vocab (the model's vocabulary: our draw against
+    torch's, compiled). Call under no grad."""
     layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
     deadline = time.monotonic() + (BUDGET_S if budget_s is None else budget_s)
     timings: list[Timing] = []
@@ -132,7 +141,12 @@ def tune(model: torch.nn.Module, linears: bool, threads: int | None, kv_pool: to
     if kv_pool is not None:
         attention, found, done = _tune_attention(kv_pool, deadline)
         timings, complete = timings + found, complete and done
-    return Tuning(max_rows, one_thread, attention, tuple(timings), complete, brgemm_rows)
+    sampler = None
+    if draw_vocab is not None:
+        dtype = next(model.parameters()).dtype
+        sampler, found, done = _tune_draw(draw_vocab, dtype, deadline)
+        timings, complete = timings + found, complete and done
+    return Tuning(max_rows, one_thread, attention, tuple(timings), complete, brgemm_rows, sampler)
 
 
 Limits = tuple[int | None, int | None]  # (linear_max_rows, linear_brgemm_rows)
@@ -210,6 +224,37 @@ def _tune_attention(kv_pool: torch.Tensor, deadline: float) -> tuple[str | None,
         timings += [Timing("decode_attention", rows, name, t) for name, t in ms.items()]
         times.append((rows, ms["ours"], ms["torch"]))
     return ("ours" if cheaper(times) else "torch"), timings, True
+
+
+def _tune_draw(vocab: int, dtype: torch.dtype, deadline: float) -> tuple[str | None, list[Timing], bool]:
+    if time.monotonic() > deadline:
+        return None, [], False
+    compiled = compile_for(torch.device("cpu"), draw, dynamic=True)
+    started = time.monotonic()
+    _draw_step(compiled, vocab, dtype, DRAW_ROWS[0], to_float=True)()  # the compile, outside the budget
+    deadline += time.monotonic() - started
+    timings, times = [], []
+    for rows in DRAW_ROWS:
+        if time.monotonic() > deadline:
+            return None, timings, False
+        ms = race({"ours": _draw_step(torch.ops.rayinfer.draw, vocab, dtype, rows, to_float=False),
+                   "torch": _draw_step(compiled, vocab, dtype, rows, to_float=True)})
+        timings += [Timing("sampler", rows, name, t) for name, t in ms.items()]
+        times.append((rows, ms["ours"], ms["torch"]))
+    return ("ours" if cheaper(times) else "torch"), timings, True
+
+
+def _draw_step(run: Callable[..., object], vocab: int, dtype: torch.dtype, rows: int,
+               to_float: bool) -> Callable[[], None]:
+    """A sampled step's draw at `rows` rows of the model's logits, as the sampler calls it:
+    torch's on float32 logits (the conversion is part of its cost), ours on the model's dtype."""
+    logits = torch.randn(rows, vocab).to(dtype)
+    temperatures, uniforms = torch.full((rows,), 0.8), torch.rand(rows, 1)
+
+    def step() -> None:
+        with torch.inference_mode():
+            run(logits.float() if to_float else logits, temperatures, uniforms)
+    return step
 
 
 def cheaper(times: Sequence[tuple[int, float, float]]) -> bool:

@@ -28,7 +28,7 @@ from engine.kernels.cpu import cpu_features
 logger = logging.getLogger(__name__)
 
 TUNING_DIR_ENV = "RAYINFER_TUNING_DIR"
-TUNER_VERSION = 2  # raise it when the candidates or the rules change
+TUNER_VERSION = 3  # raise it when the candidates or the rules change
 _ISA_ENVS = ("RAYINFER_CPU_ISA", "ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")
 
 TuningKey = dict[str, object]

@@ -108,6 +108,12 @@ class DecodeGraph:
         self._compiled = compile_for(self._device, step, dynamic=True, freezing=freezing,
                                      cpp_wrapper=self._device.type == "cpu")
 
+    def use_argmax_in_graph(self, argmax: bool) -> None:
+        """Whether the graph computes each sampled row's greedy token (the sampler's draw is
+        torch's) or leaves it to our draw's argmax; before warm_up only, as use_attention."""
+        self._argmax = argmax
+        self.use_attention(self.attention)
+
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_pool: torch.Tensor,
                  block_tables: torch.Tensor, slot_mapping: torch.Tensor, first_rows: torch.Tensor,
                  logits_indices: torch.Tensor, lora_slots: torch.Tensor | None = None,
