@@ -120,17 +120,34 @@ def oai(base_url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
 
 
+# The modules that take longest, longest first (measured under the whole suite on 2 cores,
+# each 40 s or more). Under `-n 2 --dist loadfile` xdist hands modules out in collection order
+# (--no-loadscope-reorder, pyproject.toml), each to whichever worker is free: these start first
+# and the many short modules fill the end. By its own order, most tests first, it handed out
+# test_serve_run and test_fuzz last, and one worker ran them while the other had nothing left.
+LONGEST_FIRST = ("test_reliability.py", "test_scale_out.py", "test_lora.py", "test_serve_run.py",
+                 "test_openai_fields.py", "test_scale_out_cluster.py", "test_structured_outputs_serve.py",
+                 "test_chaos.py", "test_background_compile.py", "test_native_build.py", "test_tuner.py",
+                 "test_fuzz.py", "test_speculative.py", "test_lora_serve.py", "test_decode_graph.py")
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Tests without Ray first, then those that serve from the suite's shared Serve instance,
-    then those that start a cluster of their own (`own_cluster`), which shut the shared one
-    down first: in one process Ray starts twice in all, not once a module. A stable sort: each
-    module's tests keep their order. Under `-n 2 --dist loadfile`, xdist hands out the modules
-    by their number of tests, most first, keeping this order only among equals: handing them
-    out in stage order instead, own-cluster modules first (--no-loadscope-reorder), took no
-    less time when tried."""
+    """In one process: tests without Ray first, then those that serve from the suite's shared
+    Serve instance, then those that start a cluster of their own (`own_cluster`), which shut
+    the shared one down first: in one process Ray starts twice in all, not once a module.
+    Under xdist, LONGEST_FIRST's modules first. A stable sort: each module's tests keep their
+    order."""
     def stage(item: pytest.Item) -> int:
         return 2 if item.get_closest_marker("own_cluster") else 1 if item.get_closest_marker("serve") else 0
-    items.sort(key=stage)
+
+    def rank(item: pytest.Item) -> int:
+        name = item.path.name
+        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        items.sort(key=lambda item: (rank(item), stage(item)))
+    else:
+        items.sort(key=stage)
 
 
 @pytest.fixture(scope="session", autouse=True)

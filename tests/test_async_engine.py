@@ -11,7 +11,10 @@ import pytest
 
 from engine import LLM, AsyncEngine, EngineConfig, EngineDeadError, EngineOverloadedError, SamplingParams
 from engine.core import heap
+from engine.core.sequence import RequestTimings
 from engine.frontend import step_loop
+from engine.frontend.request_stream import RequestStream
+from engine.request.outputs import RequestFailedError, StepOutput
 from engine.request.invalid_request import InvalidRequestError
 from tests.engine_faults import fail_next_step
 from tests.engine_helpers import mixed_prompts
@@ -334,3 +337,24 @@ def test_a_replicas_load_report_is_current_while_idle_and_counts_the_work_ahead_
     idle = EngineLoad.of(engine)
     assert (idle.num_pending_prompt_tokens, idle.num_pending_decode_tokens) == (0, 0)
     assert idle.pending_at >= asked_at > busy.pending_at  # stamped when asked, not at the last step
+
+
+def test_a_stream_that_fails_after_a_token_its_consumer_has_not_read_yet_gives_the_token_then_the_error():
+    """The step loop may deliver a token and then fail the request before the consumer runs
+    (a loaded machine): the token still comes first, so a server has answered 200 with it."""
+    stream = RequestStream("r", num_prompt_tokens=1)
+    timings = RequestTimings(arrival=0.0, first_scheduled=0.0, first_token=0.0)
+    stream.push(StepOutput("r", 7, None, 1, timings), min_tokens=1)
+    stream.push(StepOutput("r", None, "error", 1, timings), min_tokens=1)
+
+    async def read() -> tuple[list[list[int]], BaseException | None]:
+        tokens = []
+        try:
+            async for chunk in stream.chunks():
+                tokens.append(chunk.token_ids)
+        except RequestFailedError as exc:
+            return tokens, exc
+        return tokens, None
+
+    tokens, error = asyncio.run(read())
+    assert tokens == [[7]] and error is not None

@@ -22,7 +22,7 @@ from bench.peers.peft_peer import peft_model
 from engine import LLM, AsyncEngine, EngineConfig, SamplingParams
 from engine.lora.adapter import LoraAdapterError, load_adapter
 from engine.request.invalid_request import InvalidRequestError
-from tests.engine_helpers import hf_model, mixed_prompts, record_steps, write_peaked_gpt2_small
+from tests.engine_helpers import hf_model, mixed_prompts, record_steps
 
 MAX_TOKENS = 16
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
@@ -165,8 +165,8 @@ ERROR_FACTOR, FLOOR = 4, {"bfloat16": 0.125, "float32": 0.01}  # the shipped-con
 
 
 @pytest.fixture(scope="module")
-def gpt2_small_with_adapter(tmp_path_factory, gpt2_tokenizer) -> tuple[Path, Path]:
-    model_dir = write_peaked_gpt2_small(tmp_path_factory.mktemp("gpt2-small-peaked"), gpt2_tokenizer)
+def gpt2_small_with_adapter(tmp_path_factory, peaked_gpt2_small_dir) -> tuple[Path, Path]:
+    model_dir = peaked_gpt2_small_dir
     adapter = save_adapter(model_dir, tmp_path_factory.mktemp("gpt2-small-lora") / "all", 0, r=8, lora_alpha=16,
                            target_modules=["c_attn", "c_proj", "c_fc"])
     return model_dir, adapter

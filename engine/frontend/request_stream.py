@@ -67,17 +67,18 @@ class RequestStream:
         self.event.set()
 
     async def chunks(self) -> AsyncIterator[GenerationChunk]:
-        """Chunks until the finished one; raises the error a fail() handed in."""
+        """Chunks until the finished one; raises the error a fail() handed in, after the
+        tokens delivered before it (a consumer that wakes after both still gets them)."""
         while True:
             await self.event.wait()
             self.event.clear()
-            if self.error is not None:
-                raise self.error
-            if self.token_ids or self.is_finished:
+            if self.token_ids or (self.is_finished and self.error is None):
                 chunk = self._take_chunk()
                 yield chunk
                 if chunk.finish_reason is not None:
                     return
+            if self.error is not None:
+                raise self.error
 
     def _take_chunk(self) -> GenerationChunk:
         out = self.last
