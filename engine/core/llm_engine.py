@@ -421,17 +421,18 @@ class LLMEngine:
 
     def _torch_draw(self, sampler: Sampler) -> Sampler:
         """A sampler drawing on torch's ops, compiled, from the same random stream."""
-        compiled = Sampler(self.config.seed, self.config.torch_device, compiled=True)
-        compiled.generator = sampler.generator
-        return compiled
+        return self._drawing_from(sampler, Sampler(self.config.seed, self.config.torch_device, compiled=True))
 
     def _eager(self, sampler: Sampler) -> Sampler:
         """The sampler, or where its draw is compiled an eager one drawing from its random stream."""
         if not sampler.is_compiled:
             return sampler
-        eager = Sampler(self.config.seed, self.config.torch_device, native=sampler.native)
-        eager.generator = sampler.generator  # one stream across the switch to the compiled draw
-        return eager
+        return self._drawing_from(sampler, Sampler(self.config.seed, self.config.torch_device, native=sampler.native))
+
+    @staticmethod
+    def _drawing_from(old: Sampler, new: Sampler) -> Sampler:
+        new.generator = old.generator  # one stream across the switch
+        return new
 
     def _num_kv_blocks(self, model: GPT2LMHead) -> int:
         config = self.config

@@ -209,37 +209,34 @@ def _tune_threads(layers: list[PackedLinear], limits: tuple[int, int], threads: 
 
 
 def _tune_attention(kv_pool: torch.Tensor, deadline: float) -> tuple[str | None, list[Timing], bool]:
-    if time.monotonic() > deadline:
-        return None, [], False  # not even the compile
     compiled = compile_for(kv_pool.device, decode_attention_with_own, dynamic=True)
-    started = time.monotonic()
-    _attention_step(compiled, kv_pool, ATTENTION_ROWS[0])()  # the compile, outside the budget
-    deadline += time.monotonic() - started
-    timings, times = [], []
-    for rows in ATTENTION_ROWS:
-        if time.monotonic() > deadline:
-            return None, timings, False
-        ms = race({"ours": _attention_step(torch.ops.rayinfer.decode_attention, kv_pool, rows),
-                   "torch": _attention_step(compiled, kv_pool, rows)})
-        timings += [Timing("decode_attention", rows, name, t) for name, t in ms.items()]
-        times.append((rows, ms["ours"], ms["torch"]))
-    return ("ours" if cheaper(times) else "torch"), timings, True
+    return _ours_or_torch("decode_attention", ATTENTION_ROWS, deadline, lambda rows: {
+        "ours": _attention_step(torch.ops.rayinfer.decode_attention, kv_pool, rows),
+        "torch": _attention_step(compiled, kv_pool, rows)})
 
 
 def _tune_draw(vocab: int, dtype: torch.dtype, deadline: float) -> tuple[str | None, list[Timing], bool]:
-    if time.monotonic() > deadline:
-        return None, [], False
     compiled = compile_for(torch.device("cpu"), draw, dynamic=True)
+    return _ours_or_torch("sampler", DRAW_ROWS, deadline, lambda rows: {
+        "ours": _draw_step(torch.ops.rayinfer.draw, vocab, dtype, rows, to_float=False),
+        "torch": _draw_step(compiled, vocab, dtype, rows, to_float=True)})
+
+
+def _ours_or_torch(choice: str, counts: Sequence[int], deadline: float,
+                   steps: Callable[[int], dict[str, Callable[[], None]]]) -> tuple[str | None, list[Timing], bool]:
+    """Our kernel against torch's expression compiled by inductor, one choice for every count:
+    the expression's first call (its compile) outside the budget, then both raced at each count."""
+    if time.monotonic() > deadline:
+        return None, [], False  # not even the compile
     started = time.monotonic()
-    _draw_step(compiled, vocab, dtype, DRAW_ROWS[0], to_float=True)()  # the compile, outside the budget
+    steps(counts[0])["torch"]()
     deadline += time.monotonic() - started
     timings, times = [], []
-    for rows in DRAW_ROWS:
+    for rows in counts:
         if time.monotonic() > deadline:
             return None, timings, False
-        ms = race({"ours": _draw_step(torch.ops.rayinfer.draw, vocab, dtype, rows, to_float=False),
-                   "torch": _draw_step(compiled, vocab, dtype, rows, to_float=True)})
-        timings += [Timing("sampler", rows, name, t) for name, t in ms.items()]
+        ms = race(steps(rows))
+        timings += [Timing(choice, rows, name, t) for name, t in ms.items()]
         times.append((rows, ms["ours"], ms["torch"]))
     return ("ours" if cheaper(times) else "torch"), timings, True
 
