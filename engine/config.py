@@ -51,7 +51,9 @@ class EngineConfig:
     # torch.compile'd graph of the whole forward with the weights frozen in
     # (engine/model/decode_graph.py), on the same linears as the eager steps. The graph compiles while
     # the engine is built (tens of seconds); where it cannot compile, decode steps stay eager,
-    # with a warning. auto: on on CPU, in bf16 and fp32, and on CUDA inside cuda_graphs' graphs.
+    # with a warning. auto: on on CPU, in bf16 and fp32, then per step size the faster of the
+    # graph and its step run eagerly (measured: engine/core/tuner.py); on CUDA inside
+    # cuda_graphs' graphs. true: the graph for every step it takes.
     # The sampler's draw (argmax, or softmax and an inverse-CDF draw) compiles with it on CPU, so
     # a sampled step leaves eager ATen too.
     compile_decode: bool | Literal["auto"] = "auto"

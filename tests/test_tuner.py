@@ -2,8 +2,10 @@
 (linears, threads, attention), with slowness injected into the other (50 ms a call, far past
 any machine's noise); the table is cached on disk under a key of what decides it
 (engine/core/tuning_cache.py), loaded by a later start and measured again when the key
-changes; the engine sets the measured choices before its decode graph is traced; and every
-linear the tuner may pick computes what the reference path computes, at GPT-2-small's size,
+changes; the engine sets the measured choices before its decode graph is traced; per step
+size the compiled graph or its step run eagerly, whichever is faster (a later start that
+found eager faster everywhere compiles nothing); and every linear the tuner may pick, and the
+graph's step run eagerly, computes what the reference path computes, at GPT-2-small's size,
 teacher-forced."""
 
 from __future__ import annotations
@@ -230,3 +232,72 @@ def test_every_linear_the_tuner_may_pick_matches_the_reference_at_gpt2_small_siz
     prompts = mixed_prompts(6)  # decodes of 1 to 6 rows
     assert_fast_scores_close(fast, gpt2_small_reference, prompts[:1], ATOL)
     assert_fast_scores_close(fast, gpt2_small_reference, prompts, ATOL)
+
+
+# Every other `auto` choice set by hand: the graph against its eager step alone is measured.
+GRAPH_ONLY = dict(weights="pretrained", dtype=DTYPE, device="cpu", compile_decode="auto", small_batch_linear="native",
+                  one_thread_max_tokens=1, decode_attention="native", sampler="native")
+
+
+def graph_race(monkeypatch, slow: str, calls: list | None = None) -> None:
+    """The graph's scratch steps faked: `slow` ("graph" or "eager") takes SLOW_S a call."""
+    def scratch_step(graph, kv_pool, rows, context, eager):
+        if calls is not None and not eager:
+            calls.append(rows)  # one a count measured
+        return fake(eager == (slow == "eager"))
+    monkeypatch.setattr(DecodeGraph, "scratch_step", scratch_step)
+
+
+@pytest.mark.parametrize("slow", ["graph", "eager"])
+def test_each_step_size_runs_the_faster_of_the_graph_and_its_step_run_eagerly(tiny_gpt2_dir, tmp_path, monkeypatch,
+                                                                              slow):
+    monkeypatch.setenv(tuning_cache.TUNING_DIR_ENV, str(tmp_path))
+    monkeypatch.setattr(tuner, "GRAPH_ROWS", (2, 8))
+    graph_race(monkeypatch, slow)
+    monkeypatch.setattr(DecodeGraph, "warm_up", lambda *_: None)  # the choice is under test, not inductor
+    llm = LLM(str(tiny_gpt2_dir), **GRAPH_ONLY)
+    graph = llm.engine.runner.decode_graph
+    eager = slow == "graph"
+    assert graph.eager_at == ((2, "eager" if eager else "graph"), (8, "eager" if eager else "graph"))
+    assert [graph.runs_eager(rows) for rows in (1, 2, 5, 8, 64)] == [eager] * 5  # past the last count: its winner
+    if eager:  # steps through the graph's own step, uncompiled, give the eager path's tokens
+        reference = LLM(str(tiny_gpt2_dir), weights="pretrained", dtype=DTYPE, device="cpu", compile_decode=False)
+        params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+        prompts = mixed_prompts(3)
+        assert [o.token_ids for o in llm.generate(prompts, params)] == \
+            [o.token_ids for o in reference.generate(prompts, params)]
+        assert graph.num_steps > 0
+
+
+def test_the_choice_is_per_step_size_each_count_taking_the_rows_up_to_it():
+    graph = DecodeGraph.__new__(DecodeGraph)
+    graph.use_eager_at(((2, "graph"), (8, "eager"), (32, "graph")))
+    assert [graph.runs_eager(rows) for rows in (1, 2, 3, 8, 9, 32, 64)] == [False, False, True, True, False, False, False]
+    assert not graph.is_eager_everywhere and "rows up to 8" in graph.describe()
+
+
+def test_a_later_start_loads_the_graph_choice_and_eager_everywhere_compiles_nothing(tiny_gpt2_dir, tmp_path,
+                                                                                    monkeypatch):
+    monkeypatch.setenv(tuning_cache.TUNING_DIR_ENV, str(tmp_path))
+    monkeypatch.setattr(tuner, "GRAPH_ROWS", (2, 8))
+    calls: list[int] = []
+    graph_race(monkeypatch, "graph", calls)
+    compiled: list[DecodeGraph] = []
+    monkeypatch.setattr(DecodeGraph, "warm_up", lambda graph, *_: compiled.append(graph))
+    first = LLM(str(tiny_gpt2_dir), **GRAPH_ONLY).engine.runner.decode_graph
+    assert calls == [2, 8] and compiled == [first] and first.is_eager_everywhere
+    later = LLM(str(tiny_gpt2_dir), **GRAPH_ONLY).engine.runner.decode_graph  # the same key: loaded
+    assert calls == [2, 8] and compiled == [first] and later.is_eager_everywhere
+    LLM(str(tiny_gpt2_dir), **GRAPH_ONLY, num_kv_blocks=40)  # another pool: another key, measured again
+    assert calls == [2, 8, 2, 8] and len(compiled) == 2
+
+
+def test_the_graphs_step_run_eagerly_matches_the_reference_at_gpt2_small_size(
+        peaked_gpt2_small_dir, gpt2_small_reference, monkeypatch):
+    monkeypatch.setattr(DecodeGraph, "warm_up", lambda *_: None)  # never compiled: every step size runs eagerly
+    fast = LLM(str(peaked_gpt2_small_dir), **{**GRAPH_ONLY, "compile_decode": True}, num_kv_blocks=NUM_KV_BLOCKS)
+    graph = fast.engine.runner.decode_graph
+    graph.use_eager_at(((64, "eager"),))
+    prompts = mixed_prompts(6)
+    assert_fast_scores_close(fast, gpt2_small_reference, prompts, ATOL)
+    assert graph.num_steps > 0

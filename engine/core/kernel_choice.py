@@ -17,7 +17,7 @@ from engine.lora.lora_linear import load_kernel as load_lora_kernel
 from engine.model.attention import decode_attention_with_own
 from engine.config import EngineConfig, KernelChoice, LinearChoice
 from engine.core.step_threads import StepThreads
-from engine.core.tuner import Tuning, tune
+from engine.core.tuner import Tuning, graph_or_eager, tune
 from engine.model.decode_graph import DecodeGraph
 from engine.model.gpt2 import GPT2LMHead
 from engine.model.packed_linear import PackedLinear, can_pack, load_few_rows, runs_brgemm
@@ -116,7 +116,7 @@ def apply_measured_choices(config: EngineConfig, model: GPT2LMHead, step_threads
     hf = model.config
     key = tuning_cache.tuning_key(
         config.torch_dtype, config.cpu_threads,
-        {"n_layer": hf.n_layer, "n_embd": hf.n_embd, "n_inner": hf.n_inner or 4 * hf.n_embd, "vocab": hf.vocab_size},
+        _model_shapes(hf),
         {"small_batch_linear": linears, "one_thread_max_tokens": threads is not None, "decode_attention": attention,
          "kv_pool": list(kv_pool.shape) if attention else None, "sampler": draws})
     tuning = tuning_cache.load(key)
@@ -130,6 +130,41 @@ def apply_measured_choices(config: EngineConfig, model: GPT2LMHead, step_threads
         tuning.log("loaded from the cache")
     _apply(tuning, model, step_threads, graph)
     return tuning
+
+
+def choose_graph_or_eager(config: EngineConfig, model: GPT2LMHead, graph: DecodeGraph, kv_pool: torch.Tensor,
+                          measure: bool) -> Tuning | None:
+    """Where compile_decode is auto on CPU, per step size the compiled graph or its step run
+    eagerly (tuner.graph_or_eager), set on the graph: from the cache, or measured now where
+    `measure` (the graph has compiled) and the cache has none; None where nothing is chosen.
+    Keyed by what shapes the graph: the linears' and attention's choices already applied."""
+    if config.compile_decode != "auto" or config.torch_device.type != "cpu":
+        return None
+    hf = model.config
+    limits = [list(pair) for pair in sorted({(layer.max_rows, layer.brgemm_rows) for layer in model.modules()
+                                             if isinstance(layer, PackedLinear)})]  # lists: the key is compared as JSON reads it
+    key = tuning_cache.tuning_key(
+        config.torch_dtype, config.cpu_threads,
+        _model_shapes(hf),
+        {"graph_or_eager": True, "linears": config.linears, "small_batch_linear": config.small_batch_linear,
+         "linear_limits": limits, "decode_attention": "torch" if graph.attention is decode_attention_with_own else "ours",
+         "argmax_in_graph": graph.argmax_in_graph, "max_loras": config.max_loras, "max_num_seqs": config.max_num_seqs,
+         "kv_pool": list(kv_pool.shape)})
+    tuning = tuning_cache.load(key)
+    if tuning is not None:
+        tuning.log("loaded from the cache")
+    elif measure:
+        with torch.no_grad():
+            tuning = graph_or_eager(graph, kv_pool, config.max_num_seqs)
+        where = f"saved to {tuning_cache.save(key, tuning)}" if tuning.complete else "over its time budget, not cached"
+        tuning.log(f"measured, {where}")
+    if tuning is not None and tuning.graph_or_eager:
+        graph.use_eager_at(tuning.graph_or_eager)
+    return tuning
+
+
+def _model_shapes(hf) -> dict[str, int]:
+    return {"n_layer": hf.n_layer, "n_embd": hf.n_embd, "n_inner": hf.n_inner or 4 * hf.n_embd, "vocab": hf.vocab_size}
 
 
 def _apply(tuning: Tuning, model: GPT2LMHead, step_threads: StepThreads, graph: DecodeGraph | None) -> None:

@@ -17,8 +17,8 @@ from engine.model.cuda_graphs import CudaGraphDecode
 from engine.model.decode_graph import DecodeGraph
 from engine.model.graph_compile import BackgroundCompile
 from engine.core.heap import limit_onednn_caches
-from engine.core.kernel_choice import (apply_measured_choices, decode_attention, lora_kernel, sampler_draw,
-                                       small_batch_linear, use_forced_linear)
+from engine.core.kernel_choice import (apply_measured_choices, choose_graph_or_eager, decode_attention, lora_kernel,
+                                       sampler_draw, small_batch_linear, use_forced_linear)
 from engine.model.loader import ModelSource, load_state_dict, resolve_model
 from engine.request.token_logprob import TokenLogprob
 from engine.core.model_runner import ModelOutput, ModelRunner
@@ -356,7 +356,7 @@ class LLMEngine:
             return
         self.runner.decode_graph = graph
         self.scheduler.max_num_batched_tokens = self.config.step_tokens(cpu_graph=True)
-        logger.info("decode graph ready after %.1f s; steps now compiled", time.monotonic() - started)
+        logger.info("decode graph ready after %.1f s; %s", time.monotonic() - started, graph.describe())
 
     def _start_compile(self, on_compiled: Callable[[], None] | None) -> BackgroundCompile | None:
         """The CPU decode graph and the sampler's draw compiling on a thread of their own, eager
@@ -394,11 +394,16 @@ class LLMEngine:
         decode steps and sampling, logged) where the graph cannot compile here, e.g. no C++
         compiler for inductor. A draw that cannot compile alone runs eagerly beside the graph.
         Touches no engine state: it runs on the background compile's thread too."""
-        try:
-            graph.warm_up(self.runner.kv_pool, min(self.config.max_num_seqs, _TYPICAL_DECODE_BATCH))
-        except Exception as exc:  # noqa: BLE001 - any compile failure: serve on the eager path
-            logger.warning("compile_decode: the decode graph did not compile (%r); decode steps run eagerly", exc)
-            return None, self._eager(sampler)
+        model, kv_pool = self.runner.model, self.runner.kv_pool
+        cached = choose_graph_or_eager(self.config, model, graph, kv_pool, measure=False)
+        if not graph.is_eager_everywhere:  # else its step measured faster eagerly here: no compile
+            try:
+                graph.warm_up(kv_pool, min(self.config.max_num_seqs, _TYPICAL_DECODE_BATCH))
+            except Exception as exc:  # noqa: BLE001 - any compile failure: serve on the eager path
+                logger.warning("compile_decode: the decode graph did not compile (%r); decode steps run eagerly", exc)
+                return None, self._eager(sampler)
+            if cached is None:
+                choose_graph_or_eager(self.config, model, graph, kv_pool, measure=True)
         try:
             sampler.warm_up(self.model_info.vocab_size)
         except Exception as exc:  # noqa: BLE001 - as the graph's

@@ -19,6 +19,9 @@ What it decides (each only where its option is `auto`):
   row): our kernel (engine/kernels/csrc/sampling.cpp) or torch's ops compiled by inductor,
   both timed on the model's vocabulary at a few batches (the torch draw compiled first,
   outside the time budget). Where torch's wins, greedy rows take the decode graph's argmax too.
+- decode_graph (compile_decode: auto): per step size, the compiled decode graph or the same
+  step run eagerly, each timed on scratch inputs at a few decode batches once the graph has
+  compiled (graph_or_eager; on some CPUs oneDNN's eager products beat the fused graph).
 - one_thread_max_tokens: the largest step (in rows) that runs on one torch thread. Measured
   offline, a second thread almost always helps; in a server the engine's cores are shared
   with the path to the client, whose preemptions stall a small step's barriers
@@ -44,6 +47,7 @@ import torch
 import engine.kernels.onednn_linear as onednn
 from engine.kernels.inductor import compile_for
 from engine.model.attention import decode_attention_with_own
+from engine.model.decode_graph import DecodeGraph
 from engine.model.packed_linear import PackedLinear, own_max_rows, runs_brgemm
 from engine.sampling.sampler import draw
 
@@ -54,7 +58,12 @@ THREAD_ROWS = (1, 2, 4, 8)
 ATTENTION_ROWS = (2, 8, 32)  # decodes a step; 2, not 1: the graph pads one row to two
 ATTENTION_CONTEXT = 200  # cached tokens each row attends to
 DRAW_ROWS = (2, 8, 32)  # sampled rows a step; 2, not 1: the compiled draw pads one row to two
+GRAPH_ROWS = (2, 8, 32, 64)  # decodes a step, up to max_num_seqs; 2, not 1: the graph pads one row to two
 SHARED_CORES_MARGIN = 1.3
+# The graph's step runs eagerly only where that is this much faster: the two are within a few
+# percent of each other on some CPUs, where a run's noise would flip the choice from start to start.
+EAGER_MARGIN = 1.15
+GRAPH_REPEATS = 5
 REPEATS = 3
 # Past it the tuner stops: a machine busy enough to stretch a few seconds' measuring this far
 # gives timings that mean little. What it measured by then is used, not cached.
@@ -80,6 +89,7 @@ class Tuning:
     complete: bool = True  # every candidate measured within BUDGET_S
     linear_brgemm_rows: int | None = None  # past linear_max_rows, up to it: oneDNN's brgemm ukernel
     sampler: str | None = None  # "ours" or "torch"
+    graph_or_eager: tuple[tuple[int, str], ...] | None = None  # (rows, "graph" or "eager"): DecodeGraph.use_eager_at
 
     def log(self, source: str) -> None:
         """The table, each candidate's time a line, and the winners, once per engine."""
@@ -87,7 +97,9 @@ class Tuning:
                                                           ("brgemm up to rows", self.linear_brgemm_rows),
                                                           ("one_thread_max_tokens", self.one_thread_max_tokens),
                                                           ("decode_attention", self.decode_attention),
-                                                          ("sampler", self.sampler))
+                                                          ("sampler", self.sampler),
+                                                          ("decode_graph:", self.graph_or_eager and ", ".join(
+                                                              f"{path} up to rows {rows}" for rows, path in self.graph_or_eager)))
                    if value is not None]
         logger.info("tuning (%s): %s", source, ", ".join(winners) or "nothing decided, the defaults stand")
         for t in self.timings:
@@ -147,6 +159,29 @@ def tune(model: torch.nn.Module, linears: bool, threads: int | None, kv_pool: to
         sampler, found, done = _tune_draw(draw_vocab, dtype, deadline)
         timings, complete = timings + found, complete and done
     return Tuning(max_rows, one_thread, attention, tuple(timings), complete, brgemm_rows, sampler)
+
+
+def graph_or_eager(graph: DecodeGraph, kv_pool: torch.Tensor, max_rows: int, budget_s: float | None = None) -> Tuning:
+    """The compiled decode graph (compiled already) against its step run eagerly, at each of
+    GRAPH_ROWS up to max_rows decode rows of ATTENTION_CONTEXT cached tokens: the faster at
+    each count (Tuning.graph_or_eager), eager only where it is EAGER_MARGIN faster in two races
+    (each candidate's worse best time of the two). Counts left unmeasured past the budget take the last
+    measured count's winner, and the table is marked incomplete."""
+    deadline = time.monotonic() + (BUDGET_S if budget_s is None else budget_s)
+    counts = [rows for rows in GRAPH_ROWS if rows <= max(max_rows, GRAPH_ROWS[0])]
+    timings, choices = [], []
+    for rows in counts:
+        if time.monotonic() > deadline:
+            break
+        steps = {path: graph.scratch_step(kv_pool, rows, ATTENTION_CONTEXT, eager=path == "eager")
+                 for path in ("graph", "eager")}
+        ms = race(steps, GRAPH_REPEATS)
+        if ms["eager"] * EAGER_MARGIN < ms["graph"]:  # eager only where a second race agrees
+            again = race(steps, GRAPH_REPEATS)
+            ms = {path: max(ms[path], again[path]) for path in ms}
+        timings += [Timing("decode_graph", rows, path, t) for path, t in ms.items()]
+        choices.append((rows, "eager" if ms["eager"] * EAGER_MARGIN < ms["graph"] else "graph"))
+    return Tuning(timings=tuple(timings), complete=len(choices) == len(counts), graph_or_eager=tuple(choices) or None)
 
 
 Limits = tuple[int | None, int | None]  # (linear_max_rows, linear_brgemm_rows)

@@ -57,7 +57,9 @@ def load(key: TuningKey) -> Tuning | None:
         if saved["key"] != key:
             return None
         fields = saved["tuning"]
-        return Tuning(**{**fields, "timings": tuple(Timing(**timing) for timing in fields["timings"])})
+        choices = fields.get("graph_or_eager")
+        return Tuning(**{**fields, "timings": tuple(Timing(**timing) for timing in fields["timings"]),
+                         "graph_or_eager": None if choices is None else tuple((rows, path) for rows, path in choices)})
     except (OSError, ValueError, KeyError, TypeError):
         return None
 

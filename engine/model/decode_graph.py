@@ -27,6 +27,10 @@ would put on MKL rather than oneDNN). The pools' shapes never change, so they ar
 The same graph serves every torch thread count (engine/kernels/inductor.py). warm_up compiles it,
 before the engine serves or while it serves eager steps (engine/model/graph_compile.py).
 
+Where compile_decode is auto, the tuner races the compiled graph against the same step run
+eagerly, per step size (engine/core/tuner.py), and steps of a size whose eager run was faster
+skip the graph (`use_eager_at`): on some CPUs oneDNN's eager products beat the fused graph.
+
 The weights are the graph's inputs, not constants frozen into it, wherever the linears are
 our prepacked ones: then inductor's disk caches hold the compiled graph, and a later
 process loads it in seconds rather than compiling it again. `linears: reference` freezes
@@ -36,9 +40,11 @@ process.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import logging
 import time
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -95,6 +101,7 @@ class DecodeGraph:
         self.lora = lora
         self.use_attention(attention)
         self.num_steps = 0  # steps run through the graph
+        self.eager_at: tuple[tuple[int, str], ...] = ()  # (rows, "graph" or "eager"): use_eager_at's
 
     def use_attention(self, attention: DecodeAttention) -> None:
         """The graph's attention (the tuner may change it); before warm_up only, as the graph
@@ -103,10 +110,54 @@ class DecodeGraph:
         self.native_write = attention is not decode_attention_with_own  # our kernels are built: write with ours too
         lora_form = "kernel" if self.lora is not None and self.lora.kernel else "per_row"
         step = functools.partial(decode_step, self._model, attention, self._argmax, lora_form=lora_form)
+        self._eager = step
         # On CPU the kernels are called from C++, not Python: a step's dispatch costs less.
         freezing = any(isinstance(module, nn.Linear) for module in self._model.modules())  # inductor packs only constants
         self._compiled = compile_for(self._device, step, dynamic=True, freezing=freezing,
                                      cpp_wrapper=self._device.type == "cpu")
+
+    @property
+    def argmax_in_graph(self) -> bool:
+        return self._argmax
+
+    def use_eager_at(self, choices: Sequence[tuple[int, str]]) -> None:
+        """Per step size, the compiled graph or the same step run eagerly: (rows, "graph" or
+        "eager") for ascending row counts, each winner taking the steps of more rows than the
+        count before it, up to its own; past the last count, the last winner. Read whole by
+        the step loop, so it may change between two steps."""
+        self.eager_at = tuple((rows, path) for rows, path in choices)
+
+    def runs_eager(self, rows: int) -> bool:
+        """Whether a step of `rows` rows runs eagerly (use_eager_at's choice)."""
+        if not self.eager_at:
+            return False
+        counts = [count for count, _ in self.eager_at]
+        return self.eager_at[min(bisect.bisect_left(counts, rows), len(counts) - 1)][1] == "eager"
+
+    @property
+    def is_eager_everywhere(self) -> bool:
+        return bool(self.eager_at) and all(path == "eager" for _, path in self.eager_at)
+
+    def describe(self) -> str:
+        """The steps' path, for the log."""
+        if not any(path == "eager" for _, path in self.eager_at):
+            return "steps now compiled"
+        if self.is_eager_everywhere:
+            return "steps run the graph's step eagerly (measured faster here than compiled)"
+        eager = ", ".join(f"up to {rows}" for rows, path in self.eager_at if path == "eager")
+        return f"steps now compiled, except those of the sizes measured faster eagerly (rows {eager})"
+
+    def scratch_step(self, kv_pool: torch.Tensor, rows: int, context: int, eager: bool) -> Callable[[], None]:
+        """A decode step of `rows` rows, each attending to `context` cached tokens, on scratch
+        inputs: the pool is read, never written. On the compiled graph, or its step run eagerly."""
+        num_blocks, block_size = kv_pool.shape[3], kv_pool.shape[4]
+        width = -(-context // block_size)
+        width = next(w for w in range(width, width + 3) if w != rows)  # dynamo ties equal sizes (warm_up)
+        tables = (torch.arange(rows * width, device=kv_pool.device) % num_blocks).view(rows, width)
+        positions = torch.full((rows,), min(context, width * block_size) - 1, dtype=torch.int64, device=kv_pool.device)
+        input_ids = torch.zeros(rows, dtype=torch.int64, device=kv_pool.device)
+        first_rows, sampled = (torch.arange(rows, device=kv_pool.device) for _ in range(2))  # distinct: dynamo guards on aliasing
+        return lambda: self._run(input_ids, positions, kv_pool, tables, first_rows, sampled, eager=eager)
 
     def use_argmax_in_graph(self, argmax: bool) -> None:
         """Whether the graph computes each sampled row's greedy token (the sampler's draw is
@@ -151,14 +202,15 @@ class DecodeGraph:
         start, threads = time.monotonic(), torch.get_num_threads()  # what inductor's heuristics read
         for lora_slots in [None] + ([] if self.lora is None else [zeros(rows)]):  # the base graph, the adapters'
             self._run(zeros(rows), zeros(rows), kv_pool, zeros(rows, width), torch.arange(rows, device=kv_pool.device),
-                      torch.arange(sampled, device=kv_pool.device), lora_slots)
+                      torch.arange(sampled, device=kv_pool.device), lora_slots, eager=False)
         logger.info("decode graph compiled in %.1f s (torch threads: %d)", time.monotonic() - start, threads)
 
     def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_pool: torch.Tensor, block_tables: torch.Tensor,
              first_rows: torch.Tensor, logits_indices: torch.Tensor, lora_slots: torch.Tensor | None = None,
-             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+             eager: bool | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """The graph on inputs padded to at least 2 rows, 2 sampled rows and 2 blocks,
-        unpadded after.
+        unpadded after; `eager` (None: use_eager_at's choice for the step's rows) runs the
+        step uncompiled.
 
         A padding row repeats row 0 as a chunk of its own (row 0's cached tokens are in the
         pool whether it decodes or starts a chunk); a padding sample repeats the first
@@ -169,6 +221,7 @@ class DecodeGraph:
         """
         batch, width = block_tables.shape
         num_sampled = len(logits_indices)
+        step = self._eager if (self.runs_eager(batch) if eager is None else eager) else self._compiled
         if width < 2:
             block_tables = torch.cat([block_tables, torch.zeros_like(block_tables)], dim=1)
         if batch < 2:
@@ -179,6 +232,5 @@ class DecodeGraph:
             logits_indices = (logits_indices if num_sampled else torch.zeros_like(first_rows[:1])).repeat(2)[:2]
         with torch.inference_mode():
             lora = () if lora_slots is None else (lora_slots, self.lora.stacks)
-            logits, greedy, new_kv = self._compiled(input_ids, positions, kv_pool, block_tables, first_rows,
-                                                    logits_indices, *lora)
+            logits, greedy, new_kv = step(input_ids, positions, kv_pool, block_tables, first_rows, logits_indices, *lora)
         return logits[:num_sampled], None if greedy is None else greedy[:num_sampled], new_kv[:, :batch]
