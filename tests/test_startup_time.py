@@ -55,7 +55,7 @@ def test_a_server_that_exits_before_answering_is_an_error(tmp_path):
                    tmp_path / "server.log", timeout_s=30)
 
 
-def test_a_cold_run_gets_empty_compile_caches_of_its_own(tmp_path):
+def test_a_cold_run_gets_empty_compile_caches_and_tuning_tables_of_its_own(tmp_path):
     base = {"PATH": "/usr/bin", "TORCHINDUCTOR_CACHE_DIR": "/warm"}
     first, second = cold_env(base, tmp_path / "run-0"), cold_env(base, tmp_path / "run-1")
     for env in (first, second):
@@ -63,4 +63,6 @@ def test_a_cold_run_gets_empty_compile_caches_of_its_own(tmp_path):
         for name in ("TORCHINDUCTOR_CACHE_DIR", "VLLM_CACHE_ROOT"):
             assert Path(env[name]).is_dir() and not any(Path(env[name]).iterdir())
     assert first["TORCHINDUCTOR_CACHE_DIR"] != second["TORCHINDUCTOR_CACHE_DIR"]
+    for env, root in ((first, tmp_path / "run-0"), (second, tmp_path / "run-1")):  # no tuning table: measured anew
+        assert Path(env["RAYINFER_TUNING_DIR"]).parent == root and not Path(env["RAYINFER_TUNING_DIR"]).exists()
     assert base["TORCHINDUCTOR_CACHE_DIR"] == "/warm"  # the caller's environment untouched

@@ -8,7 +8,7 @@ clock stopped at the first 200; then Ctrl-C and a wait until it has exited. With
 Run it once before the measured runs (--warmup 1, the default) so that every cache a later
 start reads (kernels, inductor's graphs) is warm. --cold times the first start after install
 instead: each run gets empty compile caches (TORCHINDUCTOR_CACHE_DIR, VLLM_CACHE_ROOT) and
-no warm-up; our kernels stay, as `pip install` built them. rayinfer answers on eager steps
+tuning tables (RAYINFER_TUNING_DIR), and no warm-up; our kernels stay, as `pip install` built them. rayinfer answers on eager steps
 while its decode graph compiles, so it also reports full speed: its log's "decode graph
 ready" line. vLLM compiles before it serves, so its first answer is its full speed. One line
 per run, then the medians. Each run's server log is kept in --log-dir.
@@ -62,10 +62,12 @@ def time_start(command: list[str], url: str, model: str, log_path: Path, timeout
 
 
 def cold_env(base: dict[str, str], root: Path) -> dict[str, str]:
-    """`base` with empty compile caches under `root`: inductor's (ours, and torch's in vLLM) and vLLM's own."""
+    """`base` with empty caches under `root`: inductor's (ours, and torch's in vLLM), vLLM's own
+    and our tuner's tables (engine/core/tuning_cache.py)."""
     (root / "inductor").mkdir(parents=True)
     (root / "vllm").mkdir()
-    return {**base, "TORCHINDUCTOR_CACHE_DIR": str(root / "inductor"), "VLLM_CACHE_ROOT": str(root / "vllm")}
+    return {**base, "TORCHINDUCTOR_CACHE_DIR": str(root / "inductor"), "VLLM_CACHE_ROOT": str(root / "vllm"),
+            "RAYINFER_TUNING_DIR": str(root / "tuning")}
 
 
 def poll_until_answered(client: httpx.Client, process: subprocess.Popen, url: str, body: dict, start: float,
