@@ -8,10 +8,11 @@ clock stopped at the first 200; then Ctrl-C and a wait until it has exited. With
 Run it once before the measured runs (--warmup 1, the default) so that every cache a later
 start reads (kernels, inductor's graphs) is warm. --cold times the first start after install
 instead: each run gets empty compile caches (TORCHINDUCTOR_CACHE_DIR, VLLM_CACHE_ROOT) and
-tuning tables (RAYINFER_TUNING_DIR), and no warm-up; our kernels stay, as `pip install` built them. rayinfer answers on eager steps
-while its decode graph compiles, so it also reports full speed: its log's "decode graph
-ready" line. vLLM compiles before it serves, so its first answer is its full speed. One line
-per run, then the medians. Each run's server log is kept in --log-dir.
+tuning tables (RAYINFER_TUNING_DIR), and no warm-up; our kernels stay, as `pip install`
+built them. rayinfer answers on eager steps while its decode graph compiles, so it also
+reports full speed: its log's "decode graph ready" line. vLLM compiles before it serves, so
+its first answer is its full speed. One line per run, then the medians. Each run's server
+log is kept in --log-dir.
 """
 
 from __future__ import annotations

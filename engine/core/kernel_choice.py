@@ -7,6 +7,7 @@ instead); `native` is an error where they can't run. Where both run, the measure
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -119,15 +120,8 @@ def apply_measured_choices(config: EngineConfig, model: GPT2LMHead, step_threads
         _model_shapes(hf),
         {"small_batch_linear": linears, "one_thread_max_tokens": threads is not None, "decode_attention": attention,
          "kv_pool": list(kv_pool.shape) if attention else None, "sampler": draws})
-    tuning = tuning_cache.load(key)
-    if tuning is None:
-        with torch.no_grad():
-            tuning = tune(model, linears, threads, kv_pool if attention else None,
-                          draw_vocab=hf.vocab_size if draws else None)
-        where = f"saved to {tuning_cache.save(key, tuning)}" if tuning.complete else "over its time budget, not cached"
-        tuning.log(f"measured, {where}")
-    else:
-        tuning.log("loaded from the cache")
+    tuning = _load_or_measure(key, lambda: tune(model, linears, threads, kv_pool if attention else None,
+                                                draw_vocab=hf.vocab_size if draws else None))
     _apply(tuning, model, step_threads, graph)
     return tuning
 
@@ -140,26 +134,31 @@ def choose_graph_or_eager(config: EngineConfig, model: GPT2LMHead, graph: Decode
     Keyed by what shapes the graph: the linears' and attention's choices already applied."""
     if config.compile_decode != "auto" or config.torch_device.type != "cpu":
         return None
-    hf = model.config
-    limits = [list(pair) for pair in sorted({(layer.max_rows, layer.brgemm_rows) for layer in model.modules()
-                                             if isinstance(layer, PackedLinear)})]  # lists: the key is compared as JSON reads it
+    limits = sorted({(layer.max_rows, layer.brgemm_rows) for layer in model.modules() if isinstance(layer, PackedLinear)})
     key = tuning_cache.tuning_key(
         config.torch_dtype, config.cpu_threads,
-        _model_shapes(hf),
+        _model_shapes(model.config),
         {"graph_or_eager": True, "linears": config.linears, "small_batch_linear": config.small_batch_linear,
          "linear_limits": limits, "decode_attention": "torch" if graph.attention is decode_attention_with_own else "ours",
          "argmax_in_graph": graph.argmax_in_graph, "max_loras": config.max_loras, "max_num_seqs": config.max_num_seqs,
          "kv_pool": list(kv_pool.shape)})
+    tuning = _load_or_measure(key, (lambda: graph_or_eager(graph, kv_pool, config.max_num_seqs)) if measure else None)
+    if tuning is not None and tuning.graph_or_eager:
+        graph.use_eager_at(tuning.graph_or_eager)
+    return tuning
+
+
+def _load_or_measure(key: tuning_cache.TuningKey, measure: Callable[[], Tuning] | None) -> Tuning | None:
+    """The table saved under `key`, or measure()'s (under no grad; saved where complete), each
+    logged; None where none is saved and measure is None."""
     tuning = tuning_cache.load(key)
     if tuning is not None:
         tuning.log("loaded from the cache")
-    elif measure:
+    elif measure is not None:
         with torch.no_grad():
-            tuning = graph_or_eager(graph, kv_pool, config.max_num_seqs)
+            tuning = measure()
         where = f"saved to {tuning_cache.save(key, tuning)}" if tuning.complete else "over its time budget, not cached"
         tuning.log(f"measured, {where}")
-    if tuning is not None and tuning.graph_or_eager:
-        graph.use_eager_at(tuning.graph_or_eager)
     return tuning
 
 

@@ -54,7 +54,7 @@ def load(key: TuningKey) -> Tuning | None:
     path = _path(key)
     try:
         saved = json.loads(path.read_text())
-        if saved["key"] != key:
+        if saved["key"] != json.loads(json.dumps(key)):  # as save wrote it: tuples read back as lists
             return None
         fields = saved["tuning"]
         choices = fields.get("graph_or_eager")

@@ -40,7 +40,6 @@ process.
 
 from __future__ import annotations
 
-import bisect
 import functools
 import logging
 import time
@@ -131,8 +130,7 @@ class DecodeGraph:
         """Whether a step of `rows` rows runs eagerly (use_eager_at's choice)."""
         if not self.eager_at:
             return False
-        counts = [count for count, _ in self.eager_at]
-        return self.eager_at[min(bisect.bisect_left(counts, rows), len(counts) - 1)][1] == "eager"
+        return next((path for count, path in self.eager_at if rows <= count), self.eager_at[-1][1]) == "eager"
 
     @property
     def is_eager_everywhere(self) -> bool:
