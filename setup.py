@@ -8,6 +8,7 @@ warning, never failing the install: the engine then builds it at its first start
 torch's ops where it cannot. Everything else about the package is in pyproject.toml.
 """
 
+import copy
 import importlib.util
 import os
 import shutil
@@ -96,8 +97,15 @@ class BuildKernels(BuildExtension):
             if target.resolve() != built.resolve():
                 shutil.copy2(built, target)
             return
+        # Every ISA's library compiles the same source, and setuptools names an object by its
+        # source's path alone: built side by side in one build_temp, one library's kernels.o
+        # was overwritten while the other linked it (CI lost the AVX-512 library so). Each
+        # library builds in a directory of its own, on a copy of this command: the builds are
+        # threads, and build_temp is this command's.
+        own = copy.copy(self)
+        own.build_temp = os.path.join(self.build_temp, ext.name)
         try:
-            super().build_extension(ext)
+            super(BuildKernels, own).build_extension(ext)
         except Exception as exc:  # noqa: BLE001 - a failed compile raises distutils' CompileError
             self.warn(f"{ext.name} was not built ({exc}); the engine builds it at its first start "
                       "where it is this CPU's, or runs torch's ops where it cannot")

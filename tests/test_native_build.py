@@ -63,6 +63,19 @@ def test_an_engine_loads_the_library_the_install_built_for_its_isa_without_compi
     assert not (tmp_path / "builds").exists()  # nothing compiled, nothing cached
 
 
+@pytest.mark.skipif(shutil.which("objdump") is None, reason="objdump reads the libraries' code")
+def test_each_library_the_install_built_holds_its_own_isas_code():
+    """The install builds its ISAs' libraries side by side from one source: each must hold its
+    own code, the AVX2 one none of AVX-512's registers (an AVX2-only CPU cannot run them)."""
+    installed = {isa: kernel_sources.library(isa, torch.__version__) for isa in ("avx512", "avx2")}
+    installed = {isa: library for isa, library in installed.items() if library.exists()}
+    assert installed, "`pip install -e .` built no library"
+    for isa, library in installed.items():
+        code = subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(library)],
+                              capture_output=True, text=True, check=True).stdout
+        assert ("%zmm" in code) == (isa == "avx512"), f"{library.name} holds another ISA's code"
+
+
 def test_an_install_older_than_the_sources_is_not_loaded(tmp_path):
     """An edited kernel in an editable install builds again rather than run the old library."""
     checkout = clone(tmp_path, with_libraries=True)
