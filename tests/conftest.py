@@ -7,7 +7,9 @@
 # `http_headers` where its app wants an API key) and gets `http` and `oai` from here.
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 
 # The suite keeps both cores busy: two xdist workers, their Ray replicas and the clients of
@@ -27,11 +29,13 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
 # The tuner's tables (engine/core/tuning_cache.py) in a directory of this run's, for it and
 # every process it starts: a test engine tunes on this run's code, never loads a table an
-# older checkout saved, and leaves the user's cache alone.
-os.environ.setdefault("RAYINFER_TUNING_DIR", tempfile.mkdtemp(prefix="rayinfer-tuning-"))
+# older checkout saved, and leaves the user's cache alone. Made once, by the process that
+# starts the run (xdist's workers inherit it), and removed when that process exits.
+if "RAYINFER_TUNING_DIR" not in os.environ:
+    os.environ["RAYINFER_TUNING_DIR"] = tempfile.mkdtemp(prefix="rayinfer-tuning-")
+    atexit.register(shutil.rmtree, os.environ["RAYINFER_TUNING_DIR"], ignore_errors=True)
 
-import shutil  # noqa: E402  (below the environment that torch's OpenMP reads)
-from collections.abc import Iterator
+from collections.abc import Iterator  # noqa: E402  (below the environment that torch's OpenMP reads)
 from pathlib import Path
 
 import httpx
