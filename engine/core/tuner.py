@@ -47,7 +47,7 @@ import torch
 import engine.kernels.onednn_linear as onednn
 from engine.kernels.inductor import compile_for
 from engine.model.attention import decode_attention_with_own
-from engine.model.decode_graph import DecodeGraph
+from engine.model.decode_graph import DecodeGraph, scratch_block_tables
 from engine.model.packed_linear import PackedLinear, own_max_rows, runs_brgemm
 from engine.sampling.sampler import draw
 
@@ -301,14 +301,12 @@ def _attention_step(attention: Callable[..., torch.Tensor], kv_pool: torch.Tenso
     offset, which a compiled expression would be compiled again for; they are static, as in
     the graph, and the block table's width is none of the other sizes, which dynamo would
     tie to it (DecodeGraph.warm_up)."""
-    num_layers, _, heads, num_blocks, block_size, head_dim = kv_pool.shape
+    num_layers, _, heads, _, block_size, head_dim = kv_pool.shape
     k_cache, v_cache = kv_pool[0, 0], kv_pool[0, 1]
     for pool in (kv_pool, k_cache, v_cache):  # the views' base too: dynamo guards on it
         torch._dynamo.mark_static(pool)
-    width = next(w for w in range(-(-ATTENTION_CONTEXT // block_size), 1 << 20)
-                 if w not in (rows, heads, head_dim, block_size))
-    tables = (torch.arange(rows * width) % num_blocks).view(rows, width)
-    context = torch.full((rows,), min(ATTENTION_CONTEXT, width * block_size), dtype=torch.int64)
+    tables = scratch_block_tables(kv_pool, rows, ATTENTION_CONTEXT, avoid=(rows, heads, head_dim, block_size))
+    context = torch.full((rows,), min(ATTENTION_CONTEXT, tables.shape[1] * block_size), dtype=torch.int64)
     q, k, v = (torch.randn(rows, heads, head_dim).to(kv_pool.dtype) for _ in range(3))
 
     def run() -> None:

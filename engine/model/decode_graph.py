@@ -41,6 +41,7 @@ process.
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -88,6 +89,16 @@ def decode_step(model: GPT2LMHead, attention: DecodeAttention, argmax: bool, inp
                                         first_rows, logits_indices, lora)
     new_kv = torch.stack([keys, values], dim=1).permute(0, 1, 3, 2, 4)  # [n_layer, 2, H, T, D]
     return logits, logits.argmax(dim=-1) if argmax else None, new_kv.flatten(0, 2)
+
+
+def scratch_block_tables(kv_pool: torch.Tensor, rows: int, context: int, avoid: Sequence[int]) -> torch.Tensor:
+    """Block tables for `rows` rows of `context` cached tokens each, over the pool's blocks in
+    turn, for a step on scratch inputs that reads the pool and never writes it. Their width
+    is at least the context's blocks and none of `avoid`: dynamo gives equal sizes one symbol,
+    which would tie them together in a compiled graph (warm_up)."""
+    num_blocks, block_size = kv_pool.shape[3], kv_pool.shape[4]
+    width = next(w for w in itertools.count(-(-context // block_size)) if w not in avoid)
+    return (torch.arange(rows * width, device=kv_pool.device) % num_blocks).view(rows, width)
 
 
 class DecodeGraph:
@@ -148,11 +159,9 @@ class DecodeGraph:
     def scratch_step(self, kv_pool: torch.Tensor, rows: int, context: int, eager: bool) -> Callable[[], None]:
         """A decode step of `rows` rows, each attending to `context` cached tokens, on scratch
         inputs: the pool is read, never written. On the compiled graph, or its step run eagerly."""
-        num_blocks, block_size = kv_pool.shape[3], kv_pool.shape[4]
-        width = -(-context // block_size)
-        width = next(w for w in range(width, width + 3) if w != rows)  # dynamo ties equal sizes (warm_up)
-        tables = (torch.arange(rows * width, device=kv_pool.device) % num_blocks).view(rows, width)
-        positions = torch.full((rows,), min(context, width * block_size) - 1, dtype=torch.int64, device=kv_pool.device)
+        tables = scratch_block_tables(kv_pool, rows, context, avoid=(rows,))
+        positions = torch.full((rows,), min(context, tables.shape[1] * kv_pool.shape[4]) - 1, dtype=torch.int64,
+                               device=kv_pool.device)
         input_ids = torch.zeros(rows, dtype=torch.int64, device=kv_pool.device)
         first_rows, sampled = (torch.arange(rows, device=kv_pool.device) for _ in range(2))  # distinct: dynamo guards on aliasing
         return lambda: self._run(input_ids, positions, kv_pool, tables, first_rows, sampled, eager=eager)
